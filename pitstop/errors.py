@@ -1,0 +1,54 @@
+"""pitstop's exception hierarchy.
+
+Every message carries the offending values, so a log line alone says what went wrong.
+"""
+
+from __future__ import annotations
+
+
+class PitstopError(Exception):
+    """Base of every error pitstop raises on purpose."""
+
+
+class LayoutError(PitstopError, ValueError):
+    """A parallel layout that cannot exist, e.g. ``tp(2) * pp(4) * cp(1) does not divide world_size(12)``."""
+
+
+class UnknownGroupKindError(LayoutError, KeyError):
+    """A group kind that Megatron does not build (``"tq"``, ``"tp-ep-cp"``)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class RosterError(PitstopError, ValueError):
+    """A roster change that is not allowed, e.g. replacing role 9 in a world of 8."""
+
+
+class GroupError(PitstopError, RuntimeError):
+    """Creating, registering or destroying a process group failed."""
+
+
+class InstallError(PitstopError, RuntimeError):
+    """Writing Megatron's ``parallel_state`` globals failed, e.g. on a global pitstop does not know."""
+
+
+class PatchError(PitstopError, RuntimeError):
+    """A third-party function pitstop patches is gone, or its signature changed."""
+
+
+class MissingDependencyError(PitstopError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
+
+
+def require(module: str, extra: str):
+    """Import ``module`` or raise :class:`MissingDependencyError` naming ``pip install 'pitstop[extra]'``."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # pragma: no cover - exercised via a subprocess test
+        raise MissingDependencyError(
+            f"{module!r} is not installed (needed here): install it with "
+            f"pip install 'pitstop[{extra}]'"
+        ) from exc
