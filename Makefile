@@ -1,0 +1,29 @@
+# `make test` and `make demo` set up .venv themselves on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.pitstop-installed
+
+.PHONY: test demo bench venv clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first: this exact pin takes the local CPU wheel instead of a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/pitstop demo
+
+bench: $(STAMP)
+	$(VENV)/bin/pitstop bench groups --json
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,259 @@
+"""The group registry: the one owner of every process group of a pitstop job.
+
+Each rank builds only its own groups, each under a store prefix that names the
+generation (``pitstop/g3/...``), so there is no world barrier and keys of an older
+generation never collide with newer ones. Groups are keyed by
+``(kind, ranks, generation)``.
+
+``replace(role)`` rebuilds exactly the groups of this rank that hold ``role``
+(see :mod:`pitstop.plan`); every other group stays the identical Python object::
+
+    before (g0), rank 0 of tp2 pp2 dp2     after replace(5) (g1)
+    tp       [0,1]      g0  ------------>  [0,1]      g0   kept, same object
+    dp       [0,2]      g0  ------------>  [0,2]      g0   kept
+    tp-pp    [0,1,4,5]  g0  ---rebuild-->  [0,1,4,5]  g1   holds 5: new communicator
+    intra-dist-opt (tp-ep-pp x edp)  ----> re-composed locally from the new tp-ep-pp
+
+Groups are created in the global order of :func:`pitstop.plan.comm_kinds`; every
+rank follows that order, so ranks building overlapping groups never deadlock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from pitstop import pg as pgmod
+from pitstop.errors import GroupError, RosterError, UnknownGroupKindError
+from pitstop.layout import ParallelLayout
+from pitstop.plan import comm_kinds, plan_replace, realization
+from pitstop.roster import ProcessInfo
+
+log = logging.getLogger("pitstop.groups")
+
+#: Kinds for which Megatron also wants a gloo twin (its ``*_GLOO`` globals).
+GLOO_TWIN_KINDS = ("dp", "dp-cp", "edp", "intra-dp-cp", "intra-edp")
+
+GroupKey = Tuple[str, Tuple[int, ...], int]
+
+
+@dataclass
+class Entry:
+    """One group of this rank."""
+
+    key: GroupKey
+    group: dist.ProcessGroup
+    how: str
+    gloo: Optional[dist.ProcessGroup] = None
+    """The gloo twin for CPU-side collectives; the group itself when it is gloo already."""
+
+    @property
+    def kind(self) -> str:
+        return self.key[0]
+
+    @property
+    def ranks(self) -> List[int]:
+        return list(self.key[1])
+
+    @property
+    def generation(self) -> int:
+        return self.key[2]
+
+
+@dataclass
+class ReplaceReport:
+    """What ``replace`` did on this rank."""
+
+    role: int
+    generation: int
+    rebuilt: List[GroupKey] = field(default_factory=list)
+    kept: List[GroupKey] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+class GroupRegistry:
+    """Creates, looks up, replaces and destroys this rank's process groups."""
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        store: dist.Store,
+        *,
+        rank: Optional[int] = None,
+        generation: int = 0,
+        backend: Optional[str] = None,
+        timeout: timedelta = timedelta(minutes=10),
+        gloo_twins: bool = True,
+        prefix: str = "pitstop",
+    ) -> None:
+        if not dist.is_initialized():
+            raise GroupError("torch.distributed is not initialised: call pitstop.pg.init_world() first")
+        self.layout = layout
+        self.rank = dist.get_rank() if rank is None else rank
+        if dist.get_world_size() != layout.world_size:
+            raise GroupError(
+                f"layout world_size({layout.world_size}) != torch.distributed world size "
+                f"({dist.get_world_size()})"
+            )
+        if self.rank != dist.get_rank():
+            raise GroupError(f"registry rank({self.rank}) != torch.distributed rank({dist.get_rank()})")
+        self.store = store
+        self.generation = generation
+        self.backend = backend or default_backend()
+        self.timeout = timeout
+        self.gloo_twins = gloo_twins
+        self.prefix = prefix
+        self._entries: Dict[str, Entry] = {}
+
+    # ----------------------------------------------------------------- naming
+    def _name(self, kind: str, ranks: Tuple[int, ...], gen: int, suffix: str = "") -> str:
+        digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:10]
+        return f"{self.prefix}:g{gen}:{kind}{suffix}:{digest}"
+
+    def _store_for(self, gen: int) -> dist.Store:
+        return dist.PrefixStore(f"{self.prefix}/g{gen}", self.store)
+
+    # ----------------------------------------------------------------- building
+    def _build_comm(self, kind: str, ranks: Tuple[int, ...], gen: int) -> Entry:
+        store = self._store_for(gen)
+        group = pgmod.new_comm(ranks, self.backend, store, self._name(kind, ranks, gen), self.timeout, kind)
+        gloo = None
+        if self.gloo_twins and kind in GLOO_TWIN_KINDS:
+            gloo = group if self.backend == "gloo" else pgmod.new_comm(
+                ranks, "gloo", store, self._name(kind, ranks, gen, "+gloo"), self.timeout, kind + "+gloo"
+            )
+        return Entry((kind, ranks, gen), group, "comm", gloo)
+
+    def _derive(self, kind: str, gen: int) -> Entry:
+        r = realization(self.layout, kind)
+        ranks = tuple(self.layout.group_of(kind, self.rank))
+        if r.how == "alias":
+            part = self._entries[r.parts[0]]
+            return Entry((kind, ranks, gen), part.group, "alias", part.gloo)
+        inner, outer = (self._entries[p] for p in r.parts)
+        name = self._name(kind, ranks, gen)
+        group = pgmod.CompositeGroup(ranks, self.rank, inner.group, outer.group, name)
+        pgmod.register_python_group(group, name, ranks, kind)
+        return Entry((kind, ranks, gen), group, "composite")
+
+    def build(self) -> None:
+        """Create every group of this rank for the current generation."""
+        if self._entries:
+            raise GroupError(f"rank {self.rank}: groups already built (generation {self.generation})")
+        self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation)
+
+    def _build_kinds(self, kinds, gen: int) -> List[str]:
+        built = []
+        for kind in comm_kinds(self.layout):
+            if kind not in kinds:
+                continue
+            ranks = self.layout.group_of(kind, self.rank)
+            if ranks is None:
+                continue
+            self._entries[kind] = self._build_comm(kind, tuple(ranks), gen)
+            built.append(kind)
+        for kind in self.layout.kinds():
+            if kind in kinds and realization(self.layout, kind).how != "comm":
+                if self.layout.group_of(kind, self.rank) is not None:
+                    self._entries[kind] = self._derive(kind, gen)
+                    built.append(kind)
+        return built
+
+    # ----------------------------------------------------------------- lookup
+    def entry(self, kind: str) -> Optional[Entry]:
+        """This rank's entry for ``kind``; None if this rank holds no group of it
+        (only ``embd``/``pos-embd``). Unknown kinds raise."""
+        if kind not in self._entries and kind not in self.layout.kinds() and kind not in comm_kinds(self.layout):
+            raise UnknownGroupKindError(
+                f"unknown group kind {kind!r}; this job's kinds are {', '.join(self.layout.kinds())}"
+            )
+        return self._entries.get(kind)
+
+    def group(self, kind: str) -> Optional[dist.ProcessGroup]:
+        e = self.entry(kind)
+        return e.group if e else None
+
+    def gloo_group(self, kind: str) -> Optional[dist.ProcessGroup]:
+        e = self.entry(kind)
+        return e.gloo if e else None
+
+    def entries(self) -> Dict[str, Entry]:
+        """This rank's entries in the layout's kind order (the same order on every rank,
+        so callers can issue collectives over them in a loop without deadlock)."""
+        order = list(self.layout.kinds()) + [k for k in comm_kinds(self.layout) if k not in self.layout.kinds()]
+        return {k: self._entries[k] for k in order if k in self._entries}
+
+    def all_groups(self) -> List[dist.ProcessGroup]:
+        """Distinct group objects of this rank, communicators and composites."""
+        seen, out = set(), []
+        for e in self._entries.values():
+            for g in (e.group, e.gloo):
+                if g is not None and id(g) not in seen:
+                    seen.add(id(g))
+                    out.append(g)
+        return out
+
+    # ----------------------------------------------------------------- replace
+    def replace(self, role: int, new_process: Optional[ProcessInfo] = None) -> ReplaceReport:
+        """Move to the next generation with ``role`` played by ``new_process``.
+
+        Rebuilds exactly this rank's groups that hold ``role`` (and composites
+        built on them), under the new generation's prefix; every other group
+        stays the same object. Old groups are destroyed after the new ones exist.
+        The joiner itself does not call this: it builds a fresh registry at the new
+        generation.
+        """
+        import time
+
+        if isinstance(role, bool) or not isinstance(role, int) or not 0 <= role < self.layout.world_size:
+            raise RosterError(f"role({role!r}) does not exist: roles are 0..{self.layout.world_size - 1}")
+        if role == self.rank:
+            raise RosterError(
+                f"rank {self.rank} is the role being replaced; the joiner builds a fresh "
+                f"GroupRegistry at generation {self.generation + 1}, the leaver leaves"
+            )
+        t0 = time.perf_counter()
+        gen = self.generation + 1
+        plan = plan_replace(self.layout, (role,), self.generation, gen)
+        kinds = set(plan.rebuilt_kinds(self.rank))
+        old = {k: self._entries[k] for k in kinds if k in self._entries}
+        who = new_process.describe() if new_process else "a new process"
+        log.info("[g%d r%d] replace role %d by %s: rebuilding %s", gen, self.rank, role, who, sorted(kinds))
+        # Build new groups first, then swap; a failure leaves the old ones installed.
+        saved = dict(self._entries)
+        try:
+            for k in kinds:
+                self._entries.pop(k, None)
+            self._build_kinds(kinds, gen)
+        except Exception:
+            self._entries = saved
+            raise
+        for e in old.values():
+            if e.how == "comm":
+                for g in {id(e.group): e.group, id(e.gloo): e.gloo}.values():
+                    if g is not None:
+                        pgmod.destroy(g)
+        self.generation = gen
+        report = ReplaceReport(role, gen, seconds=time.perf_counter() - t0)
+        for k, e in self._entries.items():
+            (report.rebuilt if k in kinds else report.kept).append(e.key)
+        return report
+
+    def destroy(self) -> None:
+        """Destroy every communicator this registry created."""
+        for e in self._entries.values():
+            if e.how == "comm":
+                for g in {id(e.group): e.group, id(e.gloo): e.gloo}.values():
+                    if g is not None:
+                        pgmod.destroy(g)
+        self._entries.clear()

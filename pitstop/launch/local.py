@@ -1,0 +1,94 @@
+"""Start and watch worker processes on this machine, with torchrun's environment.
+
+Workers run under ``torch.distributed.elastic.multiprocessing``; the launcher hosts
+the control store (a real ``TCPStore`` on port 0) and hands its address to every
+worker as ``MASTER_ADDR``/``MASTER_PORT`` (with ``TORCHELASTIC_USE_AGENT_STORE``,
+as torchrun's agent does) and as ``PITSTOP_STORE``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
+
+from pitstop.store import ENV_STORE, host_store
+
+
+def worker_env(rank: int, world_size: int, local_rank: int, host: str, port: int, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment torchrun gives a worker, plus pitstop's own variables."""
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": host,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        ENV_STORE: f"{host}:{port}",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class LocalJob:
+    """A set of worker processes on this machine sharing one hosted control store."""
+
+    run_dir: Path
+    host: str = "127.0.0.1"
+    contexts: List[PContext] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.store = host_store(self.host, 0)
+        self.port = self.store.port
+
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        ranks: Sequence[int],
+        world_size: int,
+        extra_env: Optional[Dict[int, Dict[str, str]]] = None,
+        per_rank_args: Optional[Dict[int, Sequence[str]]] = None,
+    ) -> PContext:
+        """Start one Python process per rank in ``ranks``, running ``argv`` (script + args)."""
+        args = {i: tuple(argv) + tuple((per_rank_args or {}).get(r, ())) for i, r in enumerate(ranks)}
+        envs = {i: worker_env(r, world_size, i, self.host, self.port, (extra_env or {}).get(r)) for i, r in enumerate(ranks)}
+        ctx = start_processes(
+            name=name,
+            entrypoint=sys.executable,
+            args=args,
+            envs=envs,
+            logs_specs=DefaultLogsSpecs(log_dir=str(self.run_dir / name), redirects=Std.ALL),
+        )
+        self.contexts.append(ctx)
+        return ctx
+
+    @staticmethod
+    def log_tail(ctx: PContext, n: int = 40) -> str:
+        """The last ``n`` lines of each process's stdout and stderr, rank-prefixed."""
+        out = []
+        for i in sorted(ctx.stdouts):
+            for stream, path in (("stdout", ctx.stdouts[i]), ("stderr", ctx.stderrs[i])):
+                try:
+                    lines = Path(path).read_text(errors="replace").splitlines()[-n:]
+                except OSError:
+                    lines = ["<no log>"]
+                out.append(f"----- [{ctx.name} {i}] {stream} ({path})")
+                out.extend(lines)
+        return "\n".join(out)
+
+    def close(self) -> None:
+        for ctx in self.contexts:
+            ctx.close()
+        self.contexts.clear()

@@ -1,0 +1,306 @@
+"""Process-group plumbing on top of c10d: direct creation, registration, Python groups.
+
+This is the only module that touches torch.distributed's private bookkeeping
+(``distributed_c10d._new_process_group_helper``, ``_register_pg_in_world``,
+``_world.pg_group_ranks``). ``tests/test_pg.py`` pins their signatures, so an
+upstream change fails loudly there instead of silently here.
+
+Two Python process groups live here:
+
+* :class:`StoreWorldGroup` is pitstop's default ("world") group. It has no mesh of
+  connections: barrier and the rare small world collective go through the control
+  store, keyed by a sequence number. So a process can take over a role without any
+  world-wide rebuild, which a gloo or NCCL world group would need.
+* :class:`CompositeGroup` is the product of two orthogonal communicators (e.g.
+  tp x dp): an all-reduce over it is an all-reduce over the inner group followed by
+  one over the outer group. A world-spanning Megatron group (the distributed
+  optimizer's grad-stats group) is built this way, so replacing one role never
+  rebuilds a world-sized communicator.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from pitstop.errors import GroupError
+
+WORLD_BACKEND = "pitstop_world"
+
+
+class DoneWork(dist._Work):
+    """A work object for an operation that already completed synchronously."""
+
+    def __init__(self, result: Optional[List[torch.Tensor]] = None) -> None:
+        super().__init__()
+        self._result = result or []
+
+    def wait(self, timeout: timedelta | None = None) -> bool:  # noqa: ARG002
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self) -> List[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+def new_comm(
+    ranks: Sequence[int],
+    backend: str,
+    store: dist.Store,
+    name: str,
+    timeout: timedelta,
+    desc: str,
+) -> dist.ProcessGroup:
+    """Create one communicator of ``ranks``, called by its members only (no world barrier).
+
+    ``store`` should already carry the generation prefix; the group's own keys go
+    under ``name/``. Registers the group with c10d so that ``get_rank(group)``,
+    ``get_process_group_ranks(group)``, ``broadcast(src=<global>)`` and
+    ``destroy_process_group(group)`` work.
+    """
+    ranks = list(ranks)
+    me = dist.get_rank()
+    if me not in ranks:
+        raise GroupError(f"rank {me} is not a member of group {name} {ranks}")
+    try:
+        pg, _ = c10d._new_process_group_helper(
+            len(ranks), ranks.index(me), ranks, backend, store, name,
+            timeout=timeout, group_desc=desc,
+        )
+    except Exception as exc:  # gloo reports a peer that never came as a generic error
+        raise GroupError(f"creating {desc} group {name} over ranks {ranks} failed: {exc}") from exc
+    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
+
+
+def register_python_group(pg: dist.ProcessGroup, name: str, ranks: Sequence[int], desc: str) -> None:
+    """Make a Python-implemented group known to c10d like a real one."""
+    pg._set_group_name(name)
+    pg._set_group_desc(desc)
+    c10d._register_pg_in_world(
+        pg, backend_name=pg.getBackendName(), store=None, group_name=name,
+        backend_config=pg.getBackendName(), rank_mapping={g: i for i, g in enumerate(ranks)},
+    )
+
+
+def destroy(pg: dist.ProcessGroup) -> None:
+    """Destroy one group; the rest of the process's groups stay usable."""
+    if pg in c10d._world.pg_map:
+        dist.destroy_process_group(pg)
+
+
+def _op(reduce_op) -> "dist.ReduceOp.RedOpType":
+    """The plain op type of an options' ``reduceOp`` (a ``ReduceOp`` wrapping a ``RedOpType``)."""
+    return getattr(reduce_op, "op", reduce_op)
+
+
+_COMPOSABLE = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
+
+
+def _reduce(op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    op = _op(op)
+    if op == dist.ReduceOp.SUM:
+        return a + b
+    if op == dist.ReduceOp.MAX:
+        return torch.maximum(a, b)
+    if op == dist.ReduceOp.MIN:
+        return torch.minimum(a, b)
+    if op == dist.ReduceOp.PRODUCT:
+        return a * b
+    raise GroupError(f"reduce op {op} is not supported by pitstop's store-backed world group")
+
+
+class StoreWorldGroup(dist.ProcessGroup):
+    """The default group: rank and size of the world, collectives through the store.
+
+    It exists so that Megatron's incidental world operations (a barrier around
+    dataset building, ``get_rank()``, ``get_world_size()``) work without a mesh of
+    connections that every roster change would have to rebuild. Data collectives go
+    through the store and are meant for small tensors only; the training step never
+    uses the world group.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._store = store
+        self._timeout = timeout
+        self._seq = 0
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return WORLD_BACKEND
+
+    # --- helpers -------------------------------------------------------------
+    def _next(self) -> str:
+        self._seq += 1
+        return f"op{self._seq}"
+
+    def _wait_keys(self, keys: List[str]) -> None:
+        try:
+            self._store.wait(keys, self._timeout)
+        except Exception as exc:
+            raise GroupError(
+                f"world group rank {self.rank()}: peers did not arrive within "
+                f"{self._timeout.total_seconds():.0f}s ({len(keys)} keys): {exc}"
+            ) from exc
+
+    def _finish(self, op: str, keys: List[str]) -> None:
+        if self._store.add(f"{op}/done", 1) == self.size():
+            for k in keys + [f"{op}/done"]:
+                self._store.delete_key(k)
+
+    def _exchange(self, op: str, t: torch.Tensor) -> List[torch.Tensor]:
+        keys = [f"{op}/{r}" for r in range(self.size())]
+        self._store.set(keys[self.rank()], t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        self._wait_keys(keys)
+        out = []
+        for k in keys:
+            raw = bytearray(self._store.get(k))
+            out.append(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
+        return out
+
+    # --- collectives -----------------------------------------------------------
+    def barrier(self, opts=None):  # noqa: ARG002
+        op = self._next()
+        self._store.add(f"{op}/n", 1)
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while self._store.add(f"{op}/n", 0) < self.size():
+            if time.monotonic() > deadline:
+                raise GroupError(
+                    f"world barrier {op}: {self._store.add(f'{op}/n', 0)} of {self.size()} "
+                    f"ranks arrived within {self._timeout.total_seconds():.0f}s"
+                )
+            time.sleep(0.002)
+        if self._store.add(f"{op}/done", 1) == self.size():
+            self._store.delete_key(f"{op}/n")
+            self._store.delete_key(f"{op}/done")
+        return DoneWork()
+
+    def allreduce(self, tensors, opts=None):
+        reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for t in tensors:
+            op = self._next()
+            parts = self._exchange(op, t)
+            acc = parts[0].clone()
+            for p in parts[1:]:
+                acc = _reduce(reduce_op, acc, p)
+            t.copy_(acc)
+            self._finish(op, [f"{op}/{r}" for r in range(self.size())])
+        return DoneWork(list(tensors))
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        for t in tensors:
+            op = self._next()
+            if self.rank() == root:
+                self._store.set(f"{op}/root", t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            self._wait_keys([f"{op}/root"])
+            raw = bytearray(self._store.get(f"{op}/root"))
+            t.copy_(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
+            self._finish(op, [f"{op}/root"])
+        return DoneWork(list(tensors))
+
+    def allgather(self, output_tensors, input_tensors, opts=None):  # noqa: ARG002
+        for outs, t in zip(output_tensors, input_tensors):
+            op = self._next()
+            for o, p in zip(outs, self._exchange(op, t)):
+                o.copy_(p)
+            self._finish(op, [f"{op}/{r}" for r in range(self.size())])
+        return DoneWork([o for outs in output_tensors for o in outs])
+
+    def _allgather_base(self, output, input, opts=None):  # noqa: A002, ARG002
+        op = self._next()
+        parts = self._exchange(op, input)
+        output.copy_(torch.cat([p.reshape(-1) for p in parts]).view(output.shape))
+        self._finish(op, [f"{op}/{r}" for r in range(self.size())])
+        return DoneWork([output])
+
+
+def _world_creator(store, rank, size, timeout):
+    return StoreWorldGroup(store, rank, size, timeout)
+
+
+def init_world(store: dist.Store, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=5)) -> None:
+    """Initialise torch.distributed with pitstop's store-backed world group.
+
+    After this, ``dist.get_rank() == rank`` and ``dist.get_world_size() == world_size``,
+    with no connection to any peer; real communicators come from the group registry.
+    """
+    if WORLD_BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(WORLD_BACKEND, _world_creator, devices=["cpu", "cuda"])
+    dist.init_process_group(
+        WORLD_BACKEND, store=dist.PrefixStore("pitstop/world", store), rank=rank,
+        world_size=world_size, timeout=timeout,
+    )
+
+
+class CompositeGroup(dist.ProcessGroup):
+    """The product of two orthogonal communicators, reduced inner first, then outer.
+
+    ``ranks`` is the member list in Megatron's order; ``inner`` and ``outer`` are the
+    two real groups of this rank whose product is exactly ``ranks``. Reductions
+    (sum, max, min, product) and barrier are exact compositions; other collectives
+    are refused with an error that names the group.
+    """
+
+    def __init__(self, ranks: Sequence[int], me: int, inner: dist.ProcessGroup, outer: dist.ProcessGroup, name: str) -> None:
+        super().__init__(list(ranks).index(me), len(ranks))
+        self.inner = inner
+        self.outer = outer
+        self._name = name
+        self._ranks = list(ranks)
+
+    def getBackendName(self) -> str:  # noqa: N802
+        return "pitstop_composite"
+
+    def allreduce(self, tensors, opts=None):
+        if opts is None:
+            opts = dist.AllreduceOptions()
+        if _op(opts.reduceOp) not in _COMPOSABLE:
+            raise GroupError(f"{self._name}: reduce op {opts.reduceOp} cannot be composed")
+        self.inner.allreduce(tensors, opts).wait()
+        self.outer.allreduce(tensors, opts).wait()
+        return DoneWork(list(tensors))
+
+    def barrier(self, opts=None):  # noqa: ARG002
+        self.inner.barrier().wait()
+        self.outer.barrier().wait()
+        return DoneWork()
+
+    def _unsupported(self, what: str):
+        raise GroupError(
+            f"{what} on composite group {self._name} (size {self.size()}) is not supported: "
+            "pitstop composes only reductions and barrier; use the inner/outer groups"
+        )
+
+    def broadcast(self, *a, **k):
+        self._unsupported("broadcast")
+
+    def allgather(self, *a, **k):
+        self._unsupported("allgather")
+
+    def _allgather_base(self, *a, **k):
+        self._unsupported("all_gather_into_tensor")
+
+    def reduce_scatter(self, *a, **k):
+        self._unsupported("reduce_scatter")
+
+    def _reduce_scatter_base(self, *a, **k):
+        self._unsupported("reduce_scatter_tensor")
+
+    def alltoall_base(self, *a, **k):
+        self._unsupported("all_to_all_single")

@@ -1,0 +1,54 @@
+"""Shared fixtures: bounded waits on real processes, with every rank's log tail on failure."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from pitstop.launch.local import LocalJob
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class JobFailed(AssertionError):
+    pass
+
+
+def tails(job: LocalJob) -> str:
+    return "\n".join(LocalJob.log_tail(ctx) for ctx in job.contexts)
+
+
+def check_alive(job: LocalJob) -> None:
+    for ctx in job.contexts:
+        res = ctx.wait(timeout=0, period=0)
+        if res is not None and res.is_failed():
+            raise JobFailed(f"{ctx.name} failed: {res.failures}\n{tails(job)}")
+
+
+def wait_counter(job: LocalJob, key: str, n: int, timeout: float = 120.0) -> None:
+    """Wait until store counter ``key`` reaches ``n``; fail early if a process died."""
+    deadline = time.monotonic() + timeout
+    while job.store.add(key, 0) < n:
+        check_alive(job)
+        if time.monotonic() > deadline:
+            raise JobFailed(f"{key} reached {job.store.add(key, 0)} of {n} in {timeout}s\n{tails(job)}")
+        time.sleep(0.05)
+
+
+def wait_done(job: LocalJob, ctx, timeout: float = 120.0):
+    """Wait for every process of ``ctx`` to exit 0; on failure raise with log tails."""
+    res = ctx.wait(timeout=timeout, period=0.1)
+    if res is None:
+        raise JobFailed(f"{ctx.name} did not finish within {timeout}s\n{tails(job)}")
+    if res.is_failed():
+        raise JobFailed(f"{ctx.name} failed: {res.failures}\n{tails(job)}")
+    return res
+
+
+@pytest.fixture
+def job(tmp_path):
+    j = LocalJob(tmp_path / "run")
+    yield j
+    j.close()
