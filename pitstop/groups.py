@@ -139,7 +139,7 @@ class GroupRegistry:
         ranks = tuple(self.layout.group_of(kind, self.rank))
         if r.how == "alias":
             part = self._entries[r.parts[0]]
-            return Entry((kind, ranks, gen), part.group, "alias", part.gloo)
+            return Entry((kind, ranks, gen), part.group, "alias", part.gloo if kind in GLOO_TWIN_KINDS else None)
         inner, outer = (self._entries[p] for p in r.parts)
         name = self._name(kind, ranks, gen)
         group = pgmod.CompositeGroup(ranks, self.rank, inner.group, outer.group, name)
@@ -193,10 +193,12 @@ class GroupRegistry:
         order = list(self.layout.kinds()) + [k for k in comm_kinds(self.layout) if k not in self.layout.kinds()]
         return {k: self._entries[k] for k in order if k in self._entries}
 
-    def all_groups(self) -> List[dist.ProcessGroup]:
-        """Distinct group objects of this rank, communicators and composites."""
+    def communicators(self) -> List[dist.ProcessGroup]:
+        """Distinct real communicators of this rank (gloo twins included), no composites."""
         seen, out = set(), []
         for e in self._entries.values():
+            if e.how != "comm":
+                continue
             for g in (e.group, e.gloo):
                 if g is not None and id(g) not in seen:
                     seen.add(id(g))
@@ -239,10 +241,7 @@ class GroupRegistry:
             self._entries = saved
             raise
         for e in old.values():
-            if e.how == "comm":
-                for g in {id(e.group): e.group, id(e.gloo): e.gloo}.values():
-                    if g is not None:
-                        pgmod.destroy(g)
+            self._destroy_entry(e)
         self.generation = gen
         report = ReplaceReport(role, gen, seconds=time.perf_counter() - t0)
         for k, e in self._entries.items():
@@ -252,8 +251,14 @@ class GroupRegistry:
     def destroy(self) -> None:
         """Destroy every communicator this registry created."""
         for e in self._entries.values():
-            if e.how == "comm":
-                for g in {id(e.group): e.group, id(e.gloo): e.gloo}.values():
-                    if g is not None:
-                        pgmod.destroy(g)
+            self._destroy_entry(e)
         self._entries.clear()
+
+    @staticmethod
+    def _destroy_entry(e: Entry) -> None:
+        # aliases share their part's objects, which the part's own entry destroys
+        if e.how == "alias":
+            return
+        for g in {id(e.group): e.group, id(e.gloo): e.gloo}.values():
+            if g is not None:
+                pgmod.destroy(g)

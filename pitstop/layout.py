@@ -136,10 +136,21 @@ class ParallelLayout:
             raise LayoutError(f"order({self.order!r}) leaves out {', '.join(missing)}, which are > 1")
         # Megatron appends the dimensions the order leaves out (all of size 1).
         full = tokens + [d for d in DIMS if d not in tokens]
-        if not (full[-1] == "pp" or self.pp == 1 or self.edp == self.dp):
+        if not (tokens[-1] == "pp" or self.pp == 1 or self.edp == self.dp):
             raise LayoutError(
                 f"order({self.order!r}) does not end in pp, so edp({self.edp}) must equal "
                 f"dp({self.dp}) with pp({self.pp}) > 1"
+            )
+        # Megatron also asserts that the dense and expert spaces have the same pp groups,
+        # i.e. the same pp stride (the product of the sizes ordered before pp).
+        before_pp = full[: full.index("pp")]
+        dense_stride = prod(self._sizes(False)[d] for d in before_pp)
+        expert_stride = prod(self._sizes(True)[d] for d in before_pp)
+        if self.pp > 1 and dense_stride != expert_stride:
+            raise LayoutError(
+                f"order({self.order!r}) gives pp({self.pp}) a stride of {dense_stride} in the "
+                f"dense space but {expert_stride} in the expert space (etp({self.etp}) "
+                f"ep({self.ep}) edp({self.edp})), so attention and MoE pp groups would differ"
             )
         if (self.dp * self.cp) % self.dist_opt_instances:
             raise LayoutError(

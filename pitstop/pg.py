@@ -71,9 +71,10 @@ def new_comm(
     ``store`` should already carry the generation prefix; the group's own keys go
     under ``name/``. Registers the group with c10d so that ``get_rank(group)``,
     ``get_process_group_ranks(group)``, ``broadcast(src=<global>)`` and
-    ``destroy_process_group(group)`` work.
+    ``destroy_process_group(group)`` work. Like ``new_group``, the group rank of
+    a member is its position among the sorted global ranks.
     """
-    ranks = list(ranks)
+    ranks = sorted(ranks)  # as torch's new_group does: group rank = position in sorted order
     me = dist.get_rank()
     if me not in ranks:
         raise GroupError(f"rank {me} is not a member of group {name} {ranks}")
@@ -94,7 +95,7 @@ def register_python_group(pg: dist.ProcessGroup, name: str, ranks: Sequence[int]
     pg._set_group_desc(desc)
     c10d._register_pg_in_world(
         pg, backend_name=pg.getBackendName(), store=None, group_name=name,
-        backend_config=pg.getBackendName(), rank_mapping={g: i for i, g in enumerate(ranks)},
+        backend_config=pg.getBackendName(), rank_mapping={g: i for i, g in enumerate(sorted(ranks))},
     )
 
 
@@ -258,7 +259,7 @@ class CompositeGroup(dist.ProcessGroup):
     """
 
     def __init__(self, ranks: Sequence[int], me: int, inner: dist.ProcessGroup, outer: dist.ProcessGroup, name: str) -> None:
-        super().__init__(list(ranks).index(me), len(ranks))
+        super().__init__(sorted(ranks).index(me), len(ranks))
         self.inner = inner
         self.outer = outer
         self._name = name
@@ -266,6 +267,13 @@ class CompositeGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:  # noqa: N802
         return "pitstop_composite"
+
+    def shutdown(self) -> None:
+        """Destroying a composite leaves its parts alone: the registry owns them."""
+
+    @property
+    def group_name(self) -> str:  # c10d's own setter keeps it on backends, which we have none of
+        return self._name
 
     def allreduce(self, tensors, opts=None):
         if opts is None:
