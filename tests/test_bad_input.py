@@ -1,0 +1,67 @@
+"""Bad input gets a clear error naming the value and what was expected; nothing starts."""
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from pitstop.errors import InstallError, LayoutError, MissingDependencyError, PitstopError
+from pitstop.integrations import megatron as pm
+
+
+def test_missing_megatron_names_the_extra():
+    code = (
+        "import sys\n"
+        "for m in ('megatron', 'megatron.core', 'megatron.core.parallel_state'): sys.modules[m] = None\n"
+        "from pitstop.integrations import megatron as pm\n"
+        "from pitstop.errors import MissingDependencyError\n"
+        "try:\n    pm.discover_globals()\nexcept MissingDependencyError as e:\n    print('ERR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "ERR" in out.stdout, out.stderr
+    assert "pip install 'pitstop[megatron]'" in out.stdout
+
+
+def test_unknown_parallel_state_global_is_refused_by_name():
+    import megatron.core.parallel_state as ps
+
+    fake = types.ModuleType("fake_parallel_state")
+    fake.__dict__.update(vars(ps))
+    fake._GTP_REMAT_GROUP = None  # what a newer megatron-core adds
+    with pytest.raises(InstallError, match="_GTP_REMAT_GROUP"):
+        pm.discover_globals(fake)
+    # and the real module is fully known
+    assert "_TENSOR_MODEL_PARALLEL_GROUP" in pm.discover_globals(ps)
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [({"use_sharp": True}, "use_sharp"), ({"num_distributed_optimizer_instances": 2}, "num_distributed_optimizer_instances"),
+     ({"create_all_gather_group": True}, "create_all_gather_group")],
+)
+def test_unsupported_megatron_option_is_named(kw, name):
+    with pytest.raises(InstallError, match=name):
+        pm.initialize_model_parallel(2, **kw)
+
+
+def test_cli_rejects_a_layout_that_does_not_divide_before_starting(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pitstop.launch.cli", "demo", "--nproc-per-node", "6", "--tp", "2", "--pp", "2",
+         "--run-dir", str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    assert "tp(2) * pp(2) * cp(1) does not divide world_size(6)" in out.stderr
+    assert not (tmp_path / "r").exists()  # nothing was started
+
+
+def test_cli_rejects_an_unknown_flag():
+    out = subprocess.run([sys.executable, "-m", "pitstop.launch.cli", "demo", "--tensor-parallel", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--tensor-parallel" in out.stderr
+
+
+def test_errors_form_one_hierarchy():
+    assert issubclass(LayoutError, PitstopError) and issubclass(LayoutError, ValueError)
+    assert issubclass(MissingDependencyError, ImportError)

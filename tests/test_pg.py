@@ -1,0 +1,44 @@
+"""Tier 2 tests of pitstop.pg (world group, composite groups) plus the c10d API pins."""
+
+import inspect
+import json
+
+import pytest
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from conftest import ROOT, wait_done
+
+WORKER = str(ROOT / "tests" / "workers" / "pg_worker.py")
+
+
+def test_private_c10d_api_is_what_pitstop_calls():
+    """pitstop.pg calls these private c10d functions; fail loudly if upstream changes them."""
+    params = list(inspect.signature(c10d._new_process_group_helper).parameters)
+    assert params[:6] == ["group_size", "group_rank", "global_ranks_in_group", "backend", "store", "group_name"]
+    assert {"timeout", "group_desc"} <= set(params)
+    reg = inspect.signature(c10d._register_pg_in_world).parameters
+    assert {"pg", "backend_name", "store", "group_name", "backend_config", "rank_mapping"} <= set(reg)
+    assert hasattr(c10d._world, "pg_group_ranks") and isinstance(c10d._world.pg_group_ranks, dict)
+    assert "extended_api" in inspect.signature(dist.Backend.register_backend).parameters
+
+
+@pytest.mark.timeout(120)
+def test_world_group_composites_and_bad_replace(job, tmp_path):
+    world = 4
+    ctx = job.start("pg", [WORKER, str(tmp_path)], range(world), world)
+    wait_done(job, ctx, timeout=100)
+    for r in range(world):
+        res = json.loads((tmp_path / f"result_{r}.json").read_text())
+        assert res["world_sum"] == [10.0, 60.0]
+        assert res["world_max"] == 3.0
+        assert res["world_bcast"] == 7.0
+        assert res["world_gather"] == [[i, i * i] for i in range(world)]
+        assert res["composite_type"] == "CompositeGroup"
+        assert res["composite_sum"] == 15.0  # 1 + 2 + 4 + 8: every rank, each once
+        assert res["composite_max"] == 3.0
+        assert res["composite_ranks"] == [0, 1, 2, 3] and res["composite_rank"] == r
+        assert "allgather" in res["composite_gather_error"] and "tp-dp" in res["composite_gather_error"]
+        assert "role(7) does not exist" in res["bad_replace"] and "0..3" in res["bad_replace"]
+        assert res["untouched"] is True and res["generation"] == 0
+        assert res["after_destroy_dp_sum"] == 2.0
