@@ -1,0 +1,440 @@
+"""A small but real Megatron-Core GPT pretraining run, on CPU with gloo (or on GPUs).
+
+Launch it torchrun-style, e.g.::
+
+    python -m torch.distributed.run --standalone --nproc-per-node 8 \
+        examples/train_gpt.py --tp 2 --pp 2 --steps 5
+
+It uses Megatron-Core's own pieces end to end: ``GPTModel`` built from the local layer spec,
+``MockGPTDataset`` through ``BlendedMegatronDatasetBuilder``, Megatron
+``DistributedDataParallel`` with the distributed optimizer, and the pipeline schedule from
+``get_forward_backward_func()``. On a machine without CUDA the pitstop CPU shim
+(:mod:`pitstop.patches.megatron_cpu`) is applied first.
+
+Every step, the rank that is on the last pipeline stage with tensor- and data-parallel rank 0
+prints one JSON line ``{"step", "loss", "loss_hex", "grad_norm", ...}``; ``--loss-file`` also
+appends those lines to a file. The loss is averaged over the data-parallel group the way
+Megatron-LM does it (sum of per-token losses over sum of tokens).
+
+The functions are importable (``build_model``, ``build_optimizer``, ``build_data_iterator``,
+``train_step``, ``main``) so other code can drive the same training loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from functools import partial
+from typing import Any, Iterator, Sequence
+
+# Set thread counts before torch spins up its pools (each worker gets one core's worth).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# Run from a checkout without installing pitstop.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+
+# --------------------------------------------------------------------------- arguments
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--num-microbatches", type=int, default=2, help="per step and DP rank")
+    p.add_argument("--seq-length", type=int, default=32)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=128, help="including the EOD token")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="hidden and attention dropout (Megatron's default is 0.1; with dropout the "
+                        "RNG tracker state becomes part of what a bitwise-identical run needs)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--loss-file", default=None, help="append the per-step JSON lines here")
+    p.add_argument("--checksum", action="store_true", help="print a parameter checksum per rank")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--pitstop", dest="groups", action="store_const", const="pitstop", default="pitstop",
+                   help="pitstop owns every process group (default)")
+    g.add_argument("--megatron-groups", dest="groups", action="store_const", const="megatron",
+                   help="Megatron's own initialize_model_parallel on a gloo/NCCL world group, for comparison")
+    args = p.parse_args(argv)
+    if args.num_layers % args.pp:
+        p.error(f"--num-layers ({args.num_layers}) must be divisible by --pp ({args.pp})")
+    if args.vocab_size % args.tp:
+        p.error(f"--vocab-size ({args.vocab_size}) must be divisible by --tp ({args.tp})")
+    return args
+
+
+# ------------------------------------------------------------------ process groups
+def init_distributed(args: argparse.Namespace) -> None:
+    """Join the default (world) process group from torchrun's environment.
+
+    With pitstop (the default) the world group is pitstop's store-backed one: rank
+    and size without a mesh of connections, so a role can change hands later
+    without a world-wide rebuild.
+    """
+    torch.set_num_threads(args.threads)
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if args.groups == "pitstop":
+        from pitstop.pg import init_world
+        from pitstop.store import connect_from_env
+
+        init_world(connect_from_env(), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def init_model_parallel(args: argparse.Namespace) -> None:
+    """The single place where the model-parallel groups are created."""
+    if args.groups == "pitstop":
+        from pitstop.integrations.megatron import initialize_model_parallel
+        from pitstop.store import connect_from_env
+
+        initialize_model_parallel(
+            tensor_model_parallel_size=args.tp,
+            pipeline_model_parallel_size=args.pp,
+            store=connect_from_env(),
+        )
+    else:
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tp,
+            pipeline_model_parallel_size=args.pp,
+        )
+
+
+def destroy_model_parallel(args: argparse.Namespace) -> None:
+    if args.groups == "pitstop":
+        from pitstop.integrations.megatron import destroy_model_parallel as destroy
+    else:
+        from megatron.core.parallel_state import destroy_model_parallel as destroy
+    destroy()
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy, torch and Megatron's model-parallel RNG tracker."""
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------- model
+def model_config(args: argparse.Namespace):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_heads,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=args.dropout,
+        attention_dropout=args.dropout,
+        # The fused kernels (apex / TE) are absent on CPU.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+
+
+def build_model(args: argparse.Namespace) -> list:
+    """One GPT model chunk for this pipeline stage, wrapped in Megatron DDP."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = model_config(args)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="learned_absolute",
+    )
+    if torch.cuda.is_available():  # built on CPU (use_cpu_initialization), as Megatron-LM does
+        gpt.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=True,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    return [model]
+
+
+def build_optimizer(args: argparse.Namespace, model: list):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        clip_grad=args.clip_grad,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=True,
+    )
+    return get_megatron_optimizer(config, model)
+
+
+# ----------------------------------------------------------------------------- data
+class DeterministicBatchSampler:
+    """Megatron-LM's pretraining sampler, reduced: consecutive global batches, split by DP rank.
+
+    Each "round" takes ``micro_batch_size * dp_size`` consecutive sample indices; DP rank ``r``
+    gets the ``r``-th slice of ``micro_batch_size``. Starting at ``consumed_samples`` lets a
+    restarted run continue where it stopped.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // (self.micro_batch_size * self.dp_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        round_size = self.micro_batch_size * self.dp_size
+        start = self.dp_rank * self.micro_batch_size
+        for base in range(self.consumed_samples, self.total_samples - round_size + 1, round_size):
+            yield list(range(base + start, base + start + self.micro_batch_size))
+
+
+def build_dataset(args: argparse.Namespace, num_samples: int):
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    # NullTokenizer(n) has vocab n + 1: ids 0..n-1 plus EOD = n. Offline, no files.
+    tokenizer = NullTokenizer(vocab_size=args.vocab_size - 1)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        tokenizer=tokenizer,
+        mid_level_dataset_surplus=0.005,
+    )  # no blend => mock=True
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        MockGPTDataset, [num_samples, None, None], lambda: True, config
+    ).build()
+    return train
+
+
+def build_data_iterator(args: argparse.Namespace, consumed_samples: int = 0) -> Iterator[dict]:
+    """Micro-batches for this rank's data-parallel slice, deterministic across runs."""
+    from megatron.core import parallel_state
+
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    global_batch = args.micro_batch_size * args.num_microbatches * dp_size
+    total = global_batch * args.steps + consumed_samples
+    dataset = build_dataset(args, total)
+    sampler = DeterministicBatchSampler(
+        len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size
+    )
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+    return iter(loader)
+
+
+# --------------------------------------------------------------------------- training
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron-LM's GPT loss: (sum of masked token losses, #tokens, reporting)."""
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    reporting = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": reporting}
+
+
+def forward_step(data_iterator: Iterator[dict], model):
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+    )
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def setup_model_config(model: list, optimizer) -> None:
+    """The schedule reads these hooks from the model's config, as in Megatron-LM."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+
+
+def train_step(args: argparse.Namespace, model: list, optimizer, data_iterator) -> dict[str, Any]:
+    """One optimizer step over ``args.num_microbatches`` micro-batches.
+
+    Returns ``{"loss": float|None, "grad_norm": float, "update_successful": bool}``; the loss
+    is only known on the last pipeline stage (None elsewhere).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=args.seq_length,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+
+    loss = None
+    if parallel_state.is_pipeline_last_stage():
+        # Sum (loss, tokens) over micro-batches, then over DP: one token-weighted mean.
+        summed = torch.vstack([x["lm loss"].view(-1) for x in losses]).sum(dim=0)
+        dist.all_reduce(
+            summed, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+        loss = (summed[0] / summed[1]).item()
+    return {
+        "loss": loss,
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "update_successful": bool(update_successful),
+    }
+
+
+def param_checksum(model: list) -> str:
+    """sha256 over this rank's parameters (names and exact bytes), in a fixed order."""
+    h = hashlib.sha256()
+    for chunk in model:
+        for name, p in sorted(chunk.named_parameters(), key=lambda kv: kv[0]):
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def is_logging_rank() -> bool:
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    t0 = time.perf_counter()
+    args = parse_args(argv)
+
+    from pitstop.patches import megatron_cpu
+
+    we_applied = not megatron_cpu.is_applied() and megatron_cpu.apply()  # no-op with CUDA
+    try:
+        return _run(args, t0)
+    finally:
+        if we_applied:
+            megatron_cpu.revert()
+
+
+def _run(args: argparse.Namespace, t0: float) -> int:
+    init_distributed(args)
+    init_model_parallel(args)
+    set_seed(args.seed)
+
+    model = build_model(args)
+    optimizer = build_optimizer(args, model)
+    setup_model_config(model, optimizer)
+    data_iterator = build_data_iterator(args)
+
+    log = is_logging_rank()
+    loss_file = open(args.loss_file, "a") if (log and args.loss_file) else None
+    try:
+        for step in range(1, args.steps + 1):
+            ts = time.perf_counter()
+            out = train_step(args, model, optimizer, data_iterator)
+            if log:
+                line = json.dumps({
+                    "step": step,
+                    "loss": out["loss"],
+                    "loss_hex": float.hex(out["loss"]),
+                    "grad_norm": out["grad_norm"],
+                    "step_time_s": round(time.perf_counter() - ts, 4),
+                })
+                print(line, flush=True)
+                if loss_file is not None:
+                    loss_file.write(line + "\n")
+                    loss_file.flush()
+    finally:
+        if loss_file is not None:
+            loss_file.close()
+
+    if args.checksum:
+        import resource
+
+        print(json.dumps({
+            "rank": dist.get_rank(),
+            "param_sha256": param_checksum(model),
+            "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        }), flush=True)
+    if log:
+        print(json.dumps({"done": True, "wall_s": round(time.perf_counter() - t0, 2)}), flush=True)
+
+    dist.barrier()  # nobody tears down its communicators while a peer still uses them
+    destroy_model_parallel(args)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
