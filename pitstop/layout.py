@@ -319,7 +319,7 @@ class ParallelLayout:
     def group_of(self, kind: str, rank: int) -> List[int] | None:
         """The group of ``kind`` that holds ``rank``, or None (only for embd/pos-embd)."""
         self._check_rank(rank)
-        if kind in SPECIAL_KINDS or kind.startswith("intra-"):
+        if kind in SPECIAL_KINDS or (isinstance(kind, str) and kind.startswith("intra-")):
             return next((g for g in self.group_ranks(kind) if rank in g), None)
         expert, tokens = self._parse(kind)
         # Direct construction: fix this rank's coordinates outside the mask.
