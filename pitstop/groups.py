@@ -114,6 +114,7 @@ class GroupRegistry:
         self.gloo_twins = gloo_twins
         self.prefix = prefix
         self._entries: Dict[str, Entry] = {}
+        self._retired: List[dist.ProcessGroup] = []
 
     # ----------------------------------------------------------------- naming
     def _name(self, kind: str, ranks: Tuple[int, ...], gen: int, suffix: str = "") -> str:
@@ -211,7 +212,8 @@ class GroupRegistry:
 
         Rebuilds exactly this rank's groups that hold ``role`` (and composites
         built on them), under the new generation's prefix; every other group
-        stays the same object. Old groups are destroyed after the new ones exist.
+        stays the same object. Old groups are unregistered after the new ones exist
+        and freed later by :meth:`reap`, off the critical path.
         The joiner itself does not call this: it builds a fresh registry at the new
         generation.
         """
@@ -241,7 +243,7 @@ class GroupRegistry:
             self._entries = saved
             raise
         for e in old.values():
-            self._destroy_entry(e)
+            self._destroy_entry(e, retire=True)
         self.generation = gen
         report = ReplaceReport(role, gen, seconds=time.perf_counter() - t0)
         for k, e in self._entries.items():
@@ -253,12 +255,25 @@ class GroupRegistry:
         for e in self._entries.values():
             self._destroy_entry(e)
         self._entries.clear()
+        self.reap()
 
-    @staticmethod
-    def _destroy_entry(e: Entry) -> None:
+    def _destroy_entry(self, e: Entry, retire: bool = False) -> None:
         # aliases share their part's objects, which the part's own entry destroys
         if e.how == "alias":
             return
         for g in {id(e.group): e.group, id(e.gloo): e.gloo}.values():
             if g is not None:
                 pgmod.destroy(g)
+                if retire:
+                    self._retired.append(g)
+
+    def reap(self) -> int:
+        """Drop the groups retired by ``replace``; returns how many.
+
+        Unregistering a group is cheap, but freeing a gloo communicator joins its
+        threads and closes its sockets (about 10 ms per group here), so ``replace``
+        keeps the objects and this frees them off the critical path.
+        """
+        n = len(self._retired)
+        self._retired.clear()
+        return n

@@ -76,6 +76,8 @@ def test_standby_takes_over_only_the_delta(job, tmp_path):
         assert all(results[r]["kept_same_object"].values()), results[r]["kept_same_object"]
         assert all(results[r]["rebuilt_new_object"].values())
         assert set(rep["kept"]).isdisjoint(rep["rebuilt"])
+        # the old groups were retired, not leaked: one per rebuilt communicator or composite
+        assert results[r]["reaped"] == sum(1 for k in rep["rebuilt"] if realization(layout, k).how != "alias")
         for kind, c in results[r]["check_after"].items():
             assert c["gen"] == (1 if kind in rep["rebuilt"] else 0), (r, kind)
             if kind in rep["rebuilt"] and realization(layout, kind).how == "comm":

