@@ -1,0 +1,25 @@
+"""Tier 4 (GPU only): the group registry on NCCL. Skipped without CUDA; CI has none."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import ROOT, wait_done
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
+                       reason="needs CUDA and NCCL"),
+]
+
+
+@pytest.mark.timeout(180)
+def test_registry_on_nccl_with_gloo_twins(job, tmp_path):
+    world = 2
+    ctx = job.start("nccl", [str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(tmp_path)], range(world), world)
+    wait_done(job, ctx, timeout=150)
+    for r in range(world):
+        res = json.loads((tmp_path / f"result_{r}.json").read_text())
+        assert res["tp_sum"] == world and res["tp_backend"] == "nccl"
+        assert res["dp_gloo_backend"] == "gloo" and res["dp_gloo_sum"] == 1.0
