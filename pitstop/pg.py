@@ -20,7 +20,6 @@ Two Python process groups live here:
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence
 
@@ -177,18 +176,10 @@ class StoreWorldGroup(dist.ProcessGroup):
     # --- collectives -----------------------------------------------------------
     def barrier(self, opts=None):  # noqa: ARG002
         op = self._next()
-        self._store.add(f"{op}/n", 1)
-        deadline = time.monotonic() + self._timeout.total_seconds()
-        while self._store.add(f"{op}/n", 0) < self.size():
-            if time.monotonic() > deadline:
-                raise GroupError(
-                    f"world barrier {op}: {self._store.add(f'{op}/n', 0)} of {self.size()} "
-                    f"ranks arrived within {self._timeout.total_seconds():.0f}s"
-                )
-            time.sleep(0.002)
-        if self._store.add(f"{op}/done", 1) == self.size():
-            self._store.delete_key(f"{op}/n")
-            self._store.delete_key(f"{op}/done")
+        if self._store.add(f"{op}/n", 1) == self.size():
+            self._store.set(f"{op}/go", b"1")  # the last to arrive opens the gate
+        self._wait_keys([f"{op}/go"])
+        self._finish(op, [f"{op}/n", f"{op}/go"])
         return DoneWork()
 
     def allreduce(self, tensors, opts=None):
@@ -263,7 +254,6 @@ class CompositeGroup(dist.ProcessGroup):
         self.inner = inner
         self.outer = outer
         self._name = name
-        self._ranks = list(ranks)
 
     def getBackendName(self) -> str:  # noqa: N802
         return "pitstop_composite"

@@ -47,7 +47,8 @@ class Realization:
 def realization(layout: ParallelLayout, kind: str) -> Realization:
     """How ``kind`` is built on ``layout`` (see the module docstring)."""
     if kind not in _COMPOSITES:
-        layout.group_ranks(kind) if kind not in layout.kinds() else None  # validates the kind
+        if kind not in layout.kinds():
+            layout.group_ranks(kind)  # raises UnknownGroupKindError for a kind Megatron lacks
         return Realization(kind, "comm")
     inner, outer = _COMPOSITES[kind]
     if kind == "intra-dist-opt" and layout.dist_opt_instances > 1:

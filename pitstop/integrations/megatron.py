@@ -237,22 +237,10 @@ def initialize_model_parallel(
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    given = dict(locals())
     ps = _parallel_state()
-    given = dict(
-        pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
-        use_sharp=use_sharp,
-        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-        hybrid_context_parallel=hybrid_context_parallel,
-        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
-        nccl_communicator_config_path=nccl_communicator_config_path,
-        get_embedding_ranks=get_embedding_ranks,
-        get_position_embedding_ranks=get_position_embedding_ranks,
-        high_priority_stream_groups=high_priority_stream_groups or None,
-        sharp_enabled_group=sharp_enabled_group,
-        create_all_gather_group=create_all_gather_group,
-    )
     for name, default in _UNSUPPORTED.items():
-        if given[name] != default:
+        if (given[name] or None) != (default or None):  # [] and None both mean "not asked for"
             raise InstallError(
                 f"initialize_model_parallel({name}={given[name]!r}): pitstop supports only "
                 f"{name}={default!r} so far; use Megatron's own initialize_model_parallel for it"
