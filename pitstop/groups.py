@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
@@ -89,7 +90,6 @@ class GroupRegistry:
         layout: ParallelLayout,
         store: dist.Store,
         *,
-        rank: Optional[int] = None,
         generation: int = 0,
         backend: Optional[str] = None,
         timeout: timedelta = timedelta(minutes=10),
@@ -99,14 +99,12 @@ class GroupRegistry:
         if not dist.is_initialized():
             raise GroupError("torch.distributed is not initialised: call pitstop.pg.init_world() first")
         self.layout = layout
-        self.rank = dist.get_rank() if rank is None else rank
+        self.rank = dist.get_rank()
         if dist.get_world_size() != layout.world_size:
             raise GroupError(
                 f"layout world_size({layout.world_size}) != torch.distributed world size "
                 f"({dist.get_world_size()})"
             )
-        if self.rank != dist.get_rank():
-            raise GroupError(f"registry rank({self.rank}) != torch.distributed rank({dist.get_rank()})")
         self.store = store
         self.generation = generation
         self.backend = backend or default_backend()
@@ -217,8 +215,6 @@ class GroupRegistry:
         The joiner itself does not call this: it builds a fresh registry at the new
         generation.
         """
-        import time
-
         if isinstance(role, bool) or not isinstance(role, int) or not 0 <= role < self.layout.world_size:
             raise RosterError(f"role({role!r}) does not exist: roles are 0..{self.layout.world_size - 1}")
         if role == self.rank:
