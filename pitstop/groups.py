@@ -78,6 +78,17 @@ class ReplaceReport:
     seconds: float = 0.0
 
 
+@dataclass
+class Pending:
+    """The next generation's groups of this rank, built but not installed yet."""
+
+    role: int
+    old_generation: int
+    new_generation: int
+    entries: Dict[str, Entry]
+    seconds: float
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
@@ -95,6 +106,7 @@ class GroupRegistry:
         timeout: timedelta = timedelta(minutes=10),
         gloo_twins: bool = True,
         prefix: str = "pitstop",
+        fence: Optional[pgmod.Fence] = pgmod.FENCE,
     ) -> None:
         if not dist.is_initialized():
             raise GroupError("torch.distributed is not initialised: call pitstop.pg.init_world() first")
@@ -111,6 +123,9 @@ class GroupRegistry:
         self.timeout = timeout
         self.gloo_twins = gloo_twins
         self.prefix = prefix
+        self.fence = fence
+        """Failed operations poison the step instead of raising while it is armed
+        (:class:`pitstop.pg.Fence`); None builds plain, unguarded communicators."""
         self._entries: Dict[str, Entry] = {}
         self._retired: List[dist.ProcessGroup] = []
 
@@ -125,11 +140,11 @@ class GroupRegistry:
     # ----------------------------------------------------------------- building
     def _build_comm(self, kind: str, ranks: Tuple[int, ...], gen: int) -> Entry:
         store = self._store_for(gen)
-        group = pgmod.new_comm(ranks, self.backend, store, self._name(kind, ranks, gen), self.timeout, kind)
+        group = pgmod.new_comm(ranks, self.backend, store, self._name(kind, ranks, gen), self.timeout, kind, self.fence)
         gloo = None
         if self.gloo_twins and kind in GLOO_TWIN_KINDS:
             gloo = group if self.backend == "gloo" else pgmod.new_comm(
-                ranks, "gloo", store, self._name(kind, ranks, gen, "+gloo"), self.timeout, kind + "+gloo"
+                ranks, "gloo", store, self._name(kind, ranks, gen, "+gloo"), self.timeout, kind + "+gloo", self.fence
             )
         return Entry((kind, ranks, gen), group, "comm", gloo)
 
@@ -213,7 +228,15 @@ class GroupRegistry:
         stays the same object. Old groups are unregistered after the new ones exist
         and freed later by :meth:`reap`, off the critical path.
         The joiner itself does not call this: it builds a fresh registry at the new
-        generation.
+        generation. ``replace`` is :meth:`prepare` followed by :meth:`commit`.
+        """
+        return self.commit(self.prepare(role, new_process))
+
+    def prepare(self, role: int, new_process: Optional[ProcessInfo] = None) -> "Pending":
+        """Phase 1: build the next generation's groups of this rank that hold ``role``.
+
+        Nothing is swapped: the current groups stay installed and usable, so this
+        may run in a background thread while training goes on (a planned drain).
         """
         if isinstance(role, bool) or not isinstance(role, int) or not 0 <= role < self.layout.world_size:
             raise RosterError(f"role({role!r}) does not exist: roles are 0..{self.layout.world_size - 1}")
@@ -226,25 +249,46 @@ class GroupRegistry:
         gen = self.generation + 1
         plan = plan_replace(self.layout, (role,), self.generation, gen)
         kinds = set(plan.rebuilt_kinds(self.rank))
-        old = {k: self._entries[k] for k in kinds if k in self._entries}
         who = new_process.describe() if new_process else "a new process"
-        log.info("[g%d r%d] replace role %d by %s: rebuilding %s", gen, self.rank, role, who, sorted(kinds))
-        # Build new groups first, then swap; a failure leaves the old ones installed.
-        saved = dict(self._entries)
+        log.info("[g%d r%d] prepare role %d for %s: building %s", gen, self.rank, role, who, sorted(kinds))
+        staged: Dict[str, Entry] = {}
+        view = dict(self._entries)
+        for k in kinds:
+            view.pop(k, None)
+        saved, self._entries = self._entries, view
         try:
-            for k in kinds:
-                self._entries.pop(k, None)
             self._build_kinds(kinds, gen)
+            staged = {k: self._entries[k] for k in kinds if k in self._entries}
         except Exception:
-            self._entries = saved
+            for e in {k: v for k, v in self._entries.items() if k in kinds}.values():
+                self._destroy_entry(e)
             raise
+        finally:
+            self._entries = saved
+        return Pending(role, self.generation, gen, staged, time.perf_counter() - t0)
+
+    def commit(self, pending: "Pending") -> ReplaceReport:
+        """Phase 2: swap in the groups built by :meth:`prepare`; retire the old ones."""
+        if pending.old_generation != self.generation:
+            raise GroupError(
+                f"rank {self.rank}: prepared for generation {pending.old_generation} -> "
+                f"{pending.new_generation}, but the registry is at generation {self.generation}"
+            )
+        t0 = time.perf_counter()
+        old = {k: self._entries[k] for k in pending.entries if k in self._entries}
+        self._entries.update(pending.entries)
         for e in old.values():
             self._destroy_entry(e, retire=True)
-        self.generation = gen
-        report = ReplaceReport(role, gen, seconds=time.perf_counter() - t0)
+        self.generation = pending.new_generation
+        report = ReplaceReport(pending.role, self.generation, seconds=pending.seconds + time.perf_counter() - t0)
         for k, e in self._entries.items():
-            (report.rebuilt if k in kinds else report.kept).append(e.key)
+            (report.rebuilt if k in pending.entries else report.kept).append(e.key)
         return report
+
+    def abandon(self, pending: "Pending") -> None:
+        """Destroy groups built by :meth:`prepare` that will not be committed."""
+        for e in pending.entries.values():
+            self._destroy_entry(e)
 
     def destroy(self) -> None:
         """Destroy every communicator this registry created."""

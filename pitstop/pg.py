@@ -64,6 +64,7 @@ def new_comm(
     name: str,
     timeout: timedelta,
     desc: str,
+    fence: Optional["Fence"] = None,
 ) -> dist.ProcessGroup:
     """Create one communicator of ``ranks``, called by its members only (no world barrier).
 
@@ -71,21 +72,29 @@ def new_comm(
     under ``name/``. Registers the group with c10d so that ``get_rank(group)``,
     ``get_process_group_ranks(group)``, ``broadcast(src=<global>)`` and
     ``destroy_process_group(group)`` work. Like ``new_group``, the group rank of
-    a member is its position among the sorted global ranks.
+    a member is its position among the sorted global ranks. With a ``fence`` the
+    communicator is returned wrapped in a :class:`GuardedGroup` (registered under
+    ``name``; the raw one under ``name~raw``).
     """
     ranks = sorted(ranks)  # as torch's new_group does: group rank = position in sorted order
     me = dist.get_rank()
     if me not in ranks:
         raise GroupError(f"rank {me} is not a member of group {name} {ranks}")
+    raw_name = name if fence is None else name + "~raw"
     try:
         pg, _ = c10d._new_process_group_helper(
-            len(ranks), ranks.index(me), ranks, backend, store, name,
+            len(ranks), ranks.index(me), ranks, backend, store, raw_name,
             timeout=timeout, group_desc=desc,
         )
     except Exception as exc:  # gloo reports a peer that never came as a generic error
         raise GroupError(f"creating {desc} group {name} over ranks {ranks} failed: {exc}") from exc
     c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
-    return pg
+    if fence is None:
+        return pg
+    guarded = GuardedGroup(pg, ranks.index(me), len(ranks), name, fence)
+    guarded.raw = pg
+    register_python_group(guarded, name, ranks, desc)
+    return guarded
 
 
 def register_python_group(pg: dist.ProcessGroup, name: str, ranks: Sequence[int], desc: str) -> None:
@@ -100,8 +109,11 @@ def register_python_group(pg: dist.ProcessGroup, name: str, ranks: Sequence[int]
 
 def destroy(pg: dist.ProcessGroup) -> None:
     """Destroy one group; the rest of the process's groups stay usable."""
+    raw = getattr(pg, "raw", None)
     if pg in c10d._world.pg_map:
         dist.destroy_process_group(pg)
+    if raw is not None and raw in c10d._world.pg_map:
+        dist.destroy_process_group(raw)
 
 
 def _op(reduce_op) -> "dist.ReduceOp.RedOpType":
@@ -302,3 +314,192 @@ class CompositeGroup(dist.ProcessGroup):
 
     def alltoall_base(self, *a, **k):
         self._unsupported("all_to_all_single")
+
+
+# --------------------------------------------------------------------------- fault fence
+class Fence:
+    """Decides what a failed collective does: raise (disarmed) or poison the step (armed).
+
+    When a peer dies, a stayer blocked with it gets an error from gloo ("Connection
+    closed by peer") or NCCL. Unwinding the stack there would strand every *other*
+    stayer that waits for this one in a group that did not lose anyone. So while
+    a training step runs the fence is armed: a failed operation marks its group
+    broken, aborts it (which closes its connections, so its other members fail
+    fast too), and completes with whatever is in the output buffers. The step goes
+    on with garbage through the groups that are still whole, every stayer reaches
+    the iteration boundary, and the runtime throws the step away there::
+
+        rank 5 dies       tp-pp [0,1,4,5]: 4 errors -> abort -> 0, 1 error -> abort
+                          dp [5,7]:        7 errors -> abort
+        kept groups       tp [2,3], dp [0,2], ...: complete normally (garbage in, garbage out)
+        boundary          every stayer arrives; the step is discarded and redone
+    """
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.errors: List[str] = []
+        """What failed in the current step, one line per failure."""
+        self.broken: Dict[str, "GuardedGroup"] = {}
+
+    @property
+    def poisoned(self) -> bool:
+        return bool(self.errors)
+
+    def trip(self, group: "GuardedGroup", what: str, exc: BaseException) -> None:
+        first = group.group_name not in self.broken
+        self.broken[group.group_name] = group
+        self.errors.append(f"{what} on {group.group_name}: {str(exc).splitlines()[0][:200]}")
+        if first:
+            group.abort_inner()
+
+    def reset(self) -> None:
+        self.errors.clear()
+        self.broken.clear()
+
+
+#: The process's fence. One per process: a step is poisoned as a whole.
+FENCE = Fence()
+
+
+class GuardedWork(dist._Work):
+    """A real communicator's work, behind the fence (see :class:`Fence`)."""
+
+    def __init__(self, inner: Optional[dist._Work], group: "GuardedGroup", what: str,
+                 result: Optional[List[torch.Tensor]] = None) -> None:
+        super().__init__()
+        self._inner = inner
+        self._group = group
+        self._what = what
+        self._result = result or []
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._inner is None:
+            return True
+        inner, self._inner = self._inner, None
+        try:
+            if timeout is None:
+                inner.wait()
+            else:
+                inner.wait(timeout)
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise plain RuntimeError
+            self._group.failed(self._what, exc)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._inner is None or self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self) -> List[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+def _forward(what: str):
+    def method(self: "GuardedGroup", *args, **kwargs):
+        return self._call(what, args, kwargs)
+
+    method.__name__ = what
+    return method
+
+
+class GuardedGroup(dist.ProcessGroup):
+    """A real communicator (gloo or NCCL) that obeys the process's :class:`Fence`.
+
+    Every operation is forwarded to the inner group. With the fence disarmed an
+    error raises :class:`GroupError` naming the group; armed, the group is marked
+    broken and aborted, and this and every later operation on it completes at
+    once. Groups that are not broken behave exactly like the inner group.
+    """
+
+    def __init__(self, inner: dist.ProcessGroup, rank: int, size: int, name: str, fence: Fence = FENCE) -> None:
+        super().__init__(rank, size)
+        self.inner = inner
+        self.fence = fence
+        self._name = name
+        self._backend = inner.name()
+        self._aborted = False
+
+    def getBackendName(self) -> str:  # noqa: N802
+        return self._backend
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    @property
+    def broken(self) -> bool:
+        return self._name in self.fence.broken or self._aborted
+
+    def abort_inner(self) -> None:
+        """Close this group's connections so its other members fail fast too."""
+        if not self._aborted:
+            self._aborted = True
+            try:
+                self.inner.abort()
+            except Exception:  # noqa: BLE001 - best effort; the group is discarded anyway
+                pass
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        if not self.fence.armed:
+            raise GroupError(f"{what} on group {self._name} (size {self.size()}) failed: {exc}") from exc
+        self.fence.trip(self, what, exc)
+
+    def _call(self, what: str, args, kwargs):
+        if self.broken and self.fence.armed:
+            return GuardedWork(None, self, what)
+        try:
+            work = getattr(self.inner, what)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            self.failed(what, exc)
+            return GuardedWork(None, self, what)
+        return GuardedWork(work, self, what, _outputs(what, args))
+
+    def shutdown(self) -> None:
+        try:
+            self.inner.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+    allreduce = _forward("allreduce")
+    allreduce_coalesced = _forward("allreduce_coalesced")
+    allgather = _forward("allgather")
+    _allgather_base = _forward("_allgather_base")
+    allgather_coalesced = _forward("allgather_coalesced")
+    allgather_into_tensor_coalesced = _forward("allgather_into_tensor_coalesced")
+    reduce_scatter = _forward("reduce_scatter")
+    _reduce_scatter_base = _forward("_reduce_scatter_base")
+    reduce_scatter_tensor_coalesced = _forward("reduce_scatter_tensor_coalesced")
+    broadcast = _forward("broadcast")
+    reduce = _forward("reduce")
+    gather = _forward("gather")
+    scatter = _forward("scatter")
+    alltoall = _forward("alltoall")
+    alltoall_base = _forward("alltoall_base")
+    send = _forward("send")
+    recv = _forward("recv")
+    recv_anysource = _forward("recv_anysource")
+    barrier = _forward("barrier")
+    monitored_barrier = _forward("monitored_barrier")
+
+
+def _outputs(what: str, args) -> List[torch.Tensor]:
+    """The tensors an operation writes, for ``Work.result()``."""
+    if not args:
+        return []
+    first = args[0]
+    if isinstance(first, torch.Tensor):
+        return [first]
+    out: List[torch.Tensor] = []
+    for x in first if isinstance(first, (list, tuple)) else ():
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            out.extend(t for t in x if isinstance(t, torch.Tensor))
+    return out
