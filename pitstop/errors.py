@@ -52,3 +52,15 @@ def require(module: str, extra: str):
             f"{module!r} is not installed (needed here): install it with "
             f"pip install 'pitstop[{extra}]'"
         ) from exc
+
+
+class ConfigError(PitstopError, ValueError):
+    """A pitstop setting with a wrong value, type or order, e.g. ``heartbeat_interval_s(5.0) >= heartbeat_timeout_s(2.0)``."""
+
+
+class AuthError(PitstopError, PermissionError):
+    """A process that could not prove it holds the job token was refused a role."""
+
+
+class RecoveryError(PitstopError, RuntimeError):
+    """A roster change could not be carried out (no standby, a lost buddy copy, ...)."""

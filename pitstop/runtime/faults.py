@@ -1,0 +1,81 @@
+"""The fault injector: kill (or stop) the process of rank r at step s in phase p, with a real signal.
+
+Fluent form, for tests and benchmarks::
+
+    Fault.kill(rank=5).at(step=3, phase="backward").env()   # {"PITSTOP_FAULT": "..."}
+    Fault.stop(rank=2).at(step=4, phase="optimizer")        # SIGSTOP: a hang
+
+The worker runtime reads ``PITSTOP_FAULT`` and arms hooks on the real model and
+optimizer. Only the process that first plays the role fires it: a joiner that
+redoes the step does not die again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from pitstop.errors import ConfigError
+
+ENV_FAULT = "PITSTOP_FAULT"
+
+#: Phases of one training step, in order. ``param-gather`` is the distributed
+#: optimizer's all-gather of updated parameters, inside ``optimizer.step()``.
+PHASES = ("forward", "backward", "grad-reduce", "optimizer", "param-gather")
+_SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault."""
+
+    rank: int
+    step: int = 1
+    phase: str = "forward"
+    sig: str = "KILL"
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ConfigError(f"fault phase {self.phase!r} unknown; phases are {', '.join(PHASES)}")
+        if self.sig not in _SIGNALS:
+            raise ConfigError(f"fault signal {self.sig!r} unknown; signals are {', '.join(_SIGNALS)}")
+        if self.rank < 0 or self.step < 1:
+            raise ConfigError(f"fault rank({self.rank}) must be >= 0 and step({self.step}) >= 1")
+
+    @classmethod
+    def kill(cls, rank: int) -> "Fault":
+        return cls(rank)
+
+    @classmethod
+    def stop(cls, rank: int) -> "Fault":
+        return cls(rank, sig="STOP")
+
+    def at(self, step: int, phase: str = "forward") -> "Fault":
+        return Fault(self.rank, step, phase, self.sig)
+
+    def spec(self) -> str:
+        return f"rank={self.rank},step={self.step},phase={self.phase},signal={self.sig}"
+
+    def env(self) -> Dict[str, str]:
+        return {ENV_FAULT: self.spec()}
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        try:
+            kv = dict(part.split("=", 1) for part in text.split(",") if part)
+            return cls(int(kv["rank"]), int(kv.get("step", 1)), kv.get("phase", "forward"), kv.get("signal", "KILL"))
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(
+                f"{ENV_FAULT}={text!r}: expected rank=R,step=S,phase=P[,signal=KILL|STOP] ({exc})"
+            ) from None
+
+    @classmethod
+    def from_env(cls) -> Optional["Fault"]:
+        text = os.environ.get(ENV_FAULT, "")
+        return cls.parse(text) if text else None
+
+    def fire(self) -> None:
+        """Deliver the signal to this very process."""
+        os.kill(os.getpid(), _SIGNALS[self.sig])
