@@ -148,13 +148,13 @@ class GroupRegistry:
             )
         return Entry((kind, ranks, gen), group, "comm", gloo)
 
-    def _derive(self, kind: str, gen: int) -> Entry:
+    def _derive(self, kind: str, gen: int, entries: Dict[str, Entry]) -> Entry:
         r = realization(self.layout, kind)
         ranks = tuple(self.layout.group_of(kind, self.rank))
         if r.how == "alias":
-            part = self._entries[r.parts[0]]
+            part = entries[r.parts[0]]
             return Entry((kind, ranks, gen), part.group, "alias", part.gloo if kind in GLOO_TWIN_KINDS else None)
-        inner, outer = (self._entries[p] for p in r.parts)
+        inner, outer = (entries[p] for p in r.parts)
         name = self._name(kind, ranks, gen)
         group = pgmod.CompositeGroup(ranks, self.rank, inner.group, outer.group, name)
         pgmod.register_python_group(group, name, ranks, kind)
@@ -164,9 +164,10 @@ class GroupRegistry:
         """Create every group of this rank for the current generation."""
         if self._entries:
             raise GroupError(f"rank {self.rank}: groups already built (generation {self.generation})")
-        self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation)
+        self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation, self._entries)
 
-    def _build_kinds(self, kinds, gen: int) -> List[str]:
+    def _build_kinds(self, kinds, gen: int, entries: Dict[str, Entry]) -> List[str]:
+        """Build ``kinds`` into ``entries`` (which also supplies the parts of composites)."""
         built = []
         for kind in comm_kinds(self.layout):
             if kind not in kinds:
@@ -174,12 +175,12 @@ class GroupRegistry:
             ranks = self.layout.group_of(kind, self.rank)
             if ranks is None:
                 continue
-            self._entries[kind] = self._build_comm(kind, tuple(ranks), gen)
+            entries[kind] = self._build_comm(kind, tuple(ranks), gen)
             built.append(kind)
         for kind in self.layout.kinds():
             if kind in kinds and realization(self.layout, kind).how != "comm":
                 if self.layout.group_of(kind, self.rank) is not None:
-                    self._entries[kind] = self._derive(kind, gen)
+                    entries[kind] = self._derive(kind, gen, entries)
                     built.append(kind)
         return built
 
@@ -251,20 +252,17 @@ class GroupRegistry:
         kinds = set(plan.rebuilt_kinds(self.rank))
         who = new_process.describe() if new_process else "a new process"
         log.info("[g%d r%d] prepare role %d for %s: building %s", gen, self.rank, role, who, sorted(kinds))
-        staged: Dict[str, Entry] = {}
-        view = dict(self._entries)
-        for k in kinds:
-            view.pop(k, None)
-        saved, self._entries = self._entries, view
+        # built into a private view: the installed entries are never touched, so the
+        # training thread may keep using them while this runs
+        view = {k: v for k, v in self._entries.items() if k not in kinds}
         try:
-            self._build_kinds(kinds, gen)
-            staged = {k: self._entries[k] for k in kinds if k in self._entries}
+            self._build_kinds(kinds, gen, view)
         except Exception:
-            for e in {k: v for k, v in self._entries.items() if k in kinds}.values():
-                self._destroy_entry(e)
+            for k in kinds:
+                if k in view:
+                    self._destroy_entry(view[k])
             raise
-        finally:
-            self._entries = saved
+        staged = {k: view[k] for k in kinds if k in view}
         return Pending(role, self.generation, gen, staged, time.perf_counter() - t0)
 
     def commit(self, pending: "Pending") -> ReplaceReport:

@@ -152,12 +152,30 @@ class StoreWorldGroup(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout
         self._seq = 0
+        self.detached = False
+        """A joiner builds its model before it is in step with the world: its world
+        barriers complete locally until :meth:`attach`; other world collectives raise."""
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return WORLD_BACKEND
 
+    @property
+    def seq(self) -> int:
+        """How many world operations this process has done (equal on every rank at an iteration boundary)."""
+        return self._seq
+
+    def attach(self, seq: int) -> None:
+        """Join the world's operation stream at ``seq`` (the leaver's or a peer's count)."""
+        self._seq = seq
+        self.detached = False
+
     # --- helpers -------------------------------------------------------------
     def _next(self) -> str:
+        if self.detached:
+            raise GroupError(
+                f"world collective on rank {self.rank()} before it joined the world's operation "
+                "stream: a joiner may only use world barriers while it builds its role"
+            )
         self._seq += 1
         return f"op{self._seq}"
 
@@ -187,6 +205,8 @@ class StoreWorldGroup(dist.ProcessGroup):
 
     # --- collectives -----------------------------------------------------------
     def barrier(self, opts=None):  # noqa: ARG002
+        if self.detached:
+            return DoneWork()
         op = self._next()
         if self._store.add(f"{op}/n", 1) == self.size():
             self._store.set(f"{op}/go", b"1")  # the last to arrive opens the gate
@@ -238,18 +258,32 @@ def _world_creator(store, rank, size, timeout):
     return StoreWorldGroup(store, rank, size, timeout)
 
 
-def init_world(store: dist.Store, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=5)) -> None:
+def init_world(
+    store: dist.Store, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=5),
+    *, epoch: int = 0, detached: bool = False,
+) -> None:
     """Initialise torch.distributed with pitstop's store-backed world group.
 
     After this, ``dist.get_rank() == rank`` and ``dist.get_world_size() == world_size``,
     with no connection to any peer; real communicators come from the group registry.
+    ``epoch`` counts full restarts (each gets fresh store keys); a joiner starts
+    ``detached`` (see :class:`StoreWorldGroup`).
     """
     if WORLD_BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(WORLD_BACKEND, _world_creator, devices=["cpu", "cuda"])
     dist.init_process_group(
-        WORLD_BACKEND, store=dist.PrefixStore("pitstop/world", store), rank=rank,
-        world_size=world_size, timeout=timeout,
+        WORLD_BACKEND, store=dist.PrefixStore("pitstop/world" + (f"/e{epoch}" if epoch else ""), store),
+        rank=rank, world_size=world_size, timeout=timeout,
     )
+    world_group().detached = detached
+
+
+def world_group() -> StoreWorldGroup:
+    """The process's :class:`StoreWorldGroup` (pitstop's default group)."""
+    g = c10d._get_default_group()
+    if not isinstance(g, StoreWorldGroup):
+        raise GroupError(f"the default process group is {g.name()}, not pitstop's world group")
+    return g
 
 
 class CompositeGroup(dist.ProcessGroup):

@@ -98,7 +98,7 @@ _UNSUPPORTED = {
 class _State:
     registry: Optional[GroupRegistry] = None
     saved: Optional[Dict[str, Any]] = None
-    gloo: bool = True
+    gloo: Optional[bool] = None
 
 
 def _parallel_state():
@@ -138,12 +138,14 @@ def discover_globals(ps=None) -> Dict[str, str]:
     return out
 
 
-def install(registry: GroupRegistry, create_gloo_process_groups: bool = True) -> None:
+def install(registry: GroupRegistry, create_gloo_process_groups: Optional[bool] = None) -> None:
     """Write the registry's groups into every ``parallel_state`` global (the only writer).
 
     Called again after a ``replace``, it swaps in the rebuilt groups. The values
     before the first install are kept for :func:`restore`.
     """
+    if create_gloo_process_groups is None:  # a re-install keeps the first install's choice
+        create_gloo_process_groups = True if _State.gloo is None else _State.gloo
     ps = _parallel_state()
     plan = discover_globals(ps)
     layout = registry.layout
@@ -195,6 +197,7 @@ def restore() -> None:
         setattr(ps, name, value)
     _State.saved = None
     _State.registry = None
+    _State.gloo = None
 
 
 def registry() -> Optional[GroupRegistry]:
@@ -225,7 +228,7 @@ def initialize_model_parallel(
     create_all_gather_group: bool = False,
     *,
     store=None,
-    generation: int = 0,
+    generation: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> GroupRegistry:
     """Drop-in for Megatron's ``initialize_model_parallel``, with pitstop-owned groups.
@@ -262,7 +265,7 @@ def initialize_model_parallel(
     reg = GroupRegistry(
         layout,
         store if store is not None else c10d._get_default_store(),
-        generation=generation,
+        generation=_default_generation() if generation is None else generation,
         backend=backend,
         timeout=timedelta(minutes=distributed_timeout_minutes),
         gloo_twins=create_gloo_process_groups,
@@ -272,9 +275,76 @@ def initialize_model_parallel(
     return reg
 
 
+def _default_generation() -> int:
+    """The generation this process joins at: 0 for a first start, g+1 for a joiner."""
+    from pitstop.runtime.worker import current
+
+    m = current()
+    return m.generation if m is not None else 0
+
+
 def destroy_model_parallel() -> None:
     """Destroy pitstop's groups and restore ``parallel_state`` (Megatron's destroy, for pitstop)."""
     reg = _State.registry
     restore()
     if reg is not None:
         reg.destroy()
+
+
+# ---------------------------------------------------------------------------- launch flags
+def add_pitstop_args(parser):
+    """Megatron-LM ``extra_args_provider``: ``--pitstop-*`` flags for the worker runtime.
+
+    Pass it as ``pretrain(..., extra_args_provider=add_pitstop_args)`` (or call it on
+    your own parser). Defaults come from the environment that ``pitstop launch``
+    sets, so the flags only override. :func:`runtime_config` turns the parsed
+    arguments into a validated :class:`~pitstop.runtime.config.RuntimeConfig`.
+    """
+    from pitstop.runtime.config import RuntimeConfig
+
+    env = RuntimeConfig.from_env()
+    g = parser.add_argument_group("pitstop", "standby replacement and drain (see `pitstop launch --help`)")
+    g.add_argument("--pitstop-heartbeat-interval", type=float, default=env.heartbeat_interval_s, metavar="S",
+                   help="seconds between heartbeats (default %(default)s)")
+    g.add_argument("--pitstop-heartbeat-timeout", type=float, default=env.heartbeat_timeout_s, metavar="S",
+                   help="a worker silent this long is hung and replaced (default %(default)s)")
+    g.add_argument("--pitstop-collective-timeout", type=float, default=env.collective_timeout_s, metavar="S",
+                   help="timeout of pitstop's communicators (default %(default)s)")
+    g.add_argument("--pitstop-no-buddy", dest="pitstop_buddy", action="store_false", default=env.buddy,
+                   help="do not keep a CPU buddy copy of the neighbour's optimizer shard")
+    g.add_argument("--pitstop-save-interval", type=int, default=env.save_interval, metavar="K",
+                   help="dist_checkpointing save every K steps, the no-standby fallback (0: off)")
+    g.add_argument("--pitstop-save-dir", default=env.save_dir, metavar="DIR", help="checkpoint directory")
+    return parser
+
+
+def runtime_config(args) -> "Any":
+    """The validated runtime settings of parsed ``--pitstop-*`` flags (errors name the flag's value)."""
+    from pitstop.runtime.config import RuntimeConfig
+
+    return RuntimeConfig(
+        heartbeat_interval_s=args.pitstop_heartbeat_interval,
+        heartbeat_timeout_s=args.pitstop_heartbeat_timeout,
+        collective_timeout_s=args.pitstop_collective_timeout,
+        buddy=args.pitstop_buddy,
+        save_interval=args.pitstop_save_interval,
+        save_dir=args.pitstop_save_dir,
+    )
+
+
+def init_distributed(config=None):
+    """Join the job (authenticate, take a role, start the world group): call instead of
+    ``torch.distributed.init_process_group``. A standby returns once it has a role."""
+    from pitstop.runtime import worker
+
+    m = worker.join()
+    if config is not None:
+        m.config = config
+    return m
+
+
+def session(model, optimizer, make_data, **kw):
+    """The iteration-boundary hook for a Megatron training loop (see :class:`pitstop.runtime.session.Session`)."""
+    from pitstop.runtime.session import Session
+
+    return Session(model, optimizer, make_data, **kw)

@@ -1,0 +1,421 @@
+"""Checkpoint save and load with Megatron-Core's own ``dist_checkpointing``.
+
+pitstop falls back to this when no standby is left, and the benchmark uses it as the
+"checkpoint-restart as users do it today" baseline. It does what Megatron-LM's
+``save_checkpoint``/``load_checkpoint`` do for the ``torch_dist`` format, and nothing
+more: the ``sharded_state_dict()`` of each model chunk and
+``optimizer.sharded_state_dict(model_sharded_state_dict)`` of the distributed
+optimizer go through ``megatron.core.dist_checkpointing.save``/``load`` (torch DCP
+underneath), on whatever groups are installed in ``parallel_state`` (pitstop's).
+
+On disk::
+
+    ckpt_dir/
+      latest                  "3\\n": written last, by rank 0, by atomic rename
+      iter_0000003/           renamed from iter_0000003.tmp once every rank has written
+        metadata.json, common.pt, .metadata, __*.distcp    (dist_checkpointing / DCP)
+        pitstop.json          step, layout, sharding type, ``extra`` (rank 0)
+        rng/rank_00005.pt     python, numpy, torch, CUDA and Megatron RNG-tracker states
+
+A checkpoint counts only once ``latest`` names it, so a save that dies half way never
+shadows the previous one. Every function here is collective over the world group;
+dist_checkpointing's planning uses world ``gather_object`` and ``scatter_object_list``,
+so the world group must implement ``gather`` and ``scatter``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pitstop.errors import PitstopError
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointMismatchError",
+    "save",
+    "load",
+    "latest_step",
+    "read_meta",
+    "iter_dir",
+    "DEFAULT_SHARDING_TYPE",
+]
+
+log = logging.getLogger(__name__)
+
+#: What Megatron-LM writes by default for the distributed optimizer with ``torch_dist``:
+#: each rank saves its own DP shard of the optimizer buckets, no gather, no resharding
+#: beyond DP. ``"fully_sharded_model_space"`` (reshardable in TP/PP too) also works.
+DEFAULT_SHARDING_TYPE = "dp_reshardable"
+SHARDING_TYPES = ("dp_reshardable", "fully_sharded_model_space", "fully_reshardable")
+
+LATEST = "latest"
+META = "pitstop.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(PitstopError, RuntimeError):
+    """A checkpoint could not be saved or loaded; the message names the directory."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No (complete) checkpoint where one was expected."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint was written by a job of another shape than the one loading it."""
+
+
+# ------------------------------------------------------------------------ paths
+def iter_dir(ckpt_dir: str | os.PathLike, step: int) -> Path:
+    """Where step ``step`` lives, as Megatron-LM names it."""
+    return Path(ckpt_dir) / f"iter_{step:07d}"
+
+
+def latest_step(ckpt_dir: str | os.PathLike) -> Optional[int]:
+    """The step of the last completed save, or None if ``ckpt_dir`` has none."""
+    marker = Path(ckpt_dir) / LATEST
+    try:
+        text = marker.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint marker {marker}: {exc}") from exc
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise CheckpointError(
+            f"checkpoint marker {marker} holds {text.strip()[:40]!r}, expected a step number"
+        ) from None
+
+
+def read_meta(ckpt_dir: str | os.PathLike, step: Optional[int] = None) -> dict:
+    """pitstop's record of a checkpoint: step, layout, sharding type and the caller's ``extra``."""
+    step = _resolve_step(ckpt_dir, step)
+    path = iter_dir(ckpt_dir, step) / META
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"checkpoint {iter_dir(ckpt_dir, step)} has no {META}: not written by "
+            "pitstop.runtime.checkpoint.save, or incomplete"
+        ) from None
+
+
+def _resolve_step(ckpt_dir: str | os.PathLike, step: Optional[int]) -> int:
+    if step is not None:
+        return int(step)
+    found = latest_step(ckpt_dir)
+    if found is None:
+        raise CheckpointNotFoundError(
+            f"no checkpoint in {ckpt_dir}: expected the marker {Path(ckpt_dir) / LATEST} that a "
+            "completed save writes last"
+        )
+    return found
+
+
+# ------------------------------------------------------------- CPU shim (no CUDA)
+def _cpu_patches():
+    """The CUDA-only calls on dist_checkpointing's path, redirected as pitstop.patches.megatron_cpu does.
+
+    Kept here until they join ``megatron_cpu.PATCHES``; applied only around a save/load.
+    """
+    from pitstop.patches._base import PatchSet
+    from pitstop.patches.megatron_cpu import _torch_patch
+
+    mc = "megatron.core"
+    return PatchSet("checkpoint_cpu", [
+        # save_state_dict_async_finalize: failure flag on torch.cuda.current_device().
+        _torch_patch(
+            f"{mc}.dist_checkpointing.strategies.state_dict_saver", "state_dict_saver",
+            cuda=("current_device",), factories=("tensor",),
+            source_contains=("device=torch.cuda.current_device()",),
+        ),
+        # FileSystemWriterAsync.preload_tensors(non_blocking=True) ends in torch.cuda.synchronize().
+        _torch_patch(
+            f"{mc}.dist_checkpointing.strategies.filesystem_async", "filesystem_async",
+            cuda=("synchronize",),
+            source_contains=("torch.cuda.synchronize()",),
+        ),
+        # DistributedOptimizer.state_dict() allocates dummy Adam state on current_device()
+        # when the state is not there yet (loading before the first step).
+        _torch_patch(
+            f"{mc}.optimizer.distrib_optimizer", "distrib_optimizer",
+            cuda=("current_device",),
+            source_contains=("device=torch.cuda.current_device()",),
+        ),
+    ])
+
+
+_CPU_PATCHES = None
+
+
+@contextlib.contextmanager
+def _cpu_shim() -> Iterator[None]:
+    global _CPU_PATCHES
+    if torch.cuda.is_available():
+        yield
+        return
+    if _CPU_PATCHES is None:
+        _CPU_PATCHES = _cpu_patches()
+    if _CPU_PATCHES.applied:  # re-entered
+        yield
+        return
+    _CPU_PATCHES.apply()
+    try:
+        yield
+    finally:
+        _CPU_PATCHES.revert()
+
+
+# ------------------------------------------------------------------ state dicts
+def _layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world_size": dist.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+    }
+
+
+def _sharded_state_dict(model: list, optimizer, metadata: dict, is_loading: bool) -> dict:
+    """{"model"[i]: chunk sharded state dict, "optimizer": ...} as Megatron-LM builds it."""
+    from megatron.core import parallel_state as ps
+
+    sd: dict[str, Any] = {}
+    if len(model) == 1:
+        sd["model"] = model[0].sharded_state_dict(metadata=metadata)
+    else:  # virtual pipeline: each chunk's offsets depend on the vpp rank set while building
+        for i, chunk in enumerate(model):
+            ps.set_virtual_pipeline_model_parallel_rank(i)
+            sd[f"model{i}"] = chunk.sharded_state_dict(metadata=metadata)
+        ps.set_virtual_pipeline_model_parallel_rank(0)
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
+    return sd
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_file(path: Path, rank: int) -> Path:
+    return path / "rng" / f"rank_{rank:05d}.pt"
+
+
+def _fsync_write(path: Path, data: str) -> None:
+    with open(path, "w") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _agree(ok: bool, what: str) -> None:
+    """Raise on every rank if any rank failed ``what`` (so nobody hangs in the next collective)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    dist.all_reduce(flag)
+    if flag.item() and ok:
+        raise CheckpointError(f"{what} failed on {flag.item()} other rank(s); see their logs")
+
+
+# ------------------------------------------------------------------------- save
+def save(
+    ckpt_dir: str | os.PathLike,
+    step: int,
+    model: list,
+    optimizer,
+    *,
+    extra: Optional[dict] = None,
+    sharding_type: str = DEFAULT_SHARDING_TYPE,
+) -> Path:
+    """Save model chunks, distributed optimizer and RNG states as step ``step``; collective.
+
+    Writes ``iter_{step:07d}.tmp``, renames it to ``iter_{step:07d}`` and then points
+    ``latest`` at it, each only after every rank has finished the previous part, so an
+    interrupted save leaves the last good checkpoint in place. ``extra`` (JSON-serialisable,
+    the same on every rank) is kept in ``pitstop.json``; read it back with :func:`read_meta`.
+    Returns the checkpoint's directory.
+    """
+    from megatron.core import dist_checkpointing
+
+    if sharding_type not in SHARDING_TYPES:
+        raise CheckpointError(f"sharding_type {sharding_type!r} is not one of {SHARDING_TYPES}")
+    t0 = time.perf_counter()
+    ckpt_dir = Path(ckpt_dir)
+    rank = dist.get_rank()
+    final = iter_dir(ckpt_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    meta = {
+        "format": FORMAT_VERSION,
+        "step": int(step),
+        "layout": _layout(),
+        "sharding_type": sharding_type,
+        "megatron_core": _megatron_version(),
+        "extra": extra or {},
+    }
+    try:
+        json.dumps(meta)
+    except TypeError as exc:
+        raise CheckpointError(f"save to {final}: extra must be JSON-serialisable ({exc})") from None
+
+    err: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            if tmp.exists():  # left by a save that died
+                shutil.rmtree(tmp)
+            (tmp / "rng").mkdir(parents=True)
+        except OSError as exc:
+            err = exc
+    _agree(err is None, f"creating {tmp}")
+    if err is not None:
+        raise CheckpointError(f"cannot create checkpoint directory {tmp}: {err}") from err
+    dist.barrier()  # the directory exists before anyone writes into it
+
+    metadata = {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True}
+    torch.save(_rng_state(), _rng_file(tmp, rank))
+    with _cpu_shim():
+        sd = _sharded_state_dict(model, optimizer, metadata, is_loading=False)
+        # Ends with a world barrier after rank 0 wrote metadata.json: every rank is done.
+        dist_checkpointing.save(sd, str(tmp), content_metadata=metadata)
+
+    if rank == 0:
+        try:
+            _fsync_write(tmp / META, json.dumps(meta, indent=1) + "\n")
+            if final.exists():  # re-saving a step: keep the old one until the new one is in place
+                old = final.with_name(final.name + ".old")
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(final)
+            marker_tmp = ckpt_dir / f".{LATEST}.tmp"
+            _fsync_write(marker_tmp, f"{step}\n")
+            os.replace(marker_tmp, ckpt_dir / LATEST)
+            _fsync_dir(ckpt_dir)
+        except OSError as exc:
+            err = exc
+    _agree(err is None, f"committing {final}")
+    if err is not None:
+        raise CheckpointError(f"cannot commit checkpoint {final}: {err}") from err
+    log.info("saved %s in %.2fs", final, time.perf_counter() - t0)
+    return final
+
+
+# ------------------------------------------------------------------------- load
+def load(
+    ckpt_dir: str | os.PathLike,
+    model: list,
+    optimizer,
+    step: Optional[int] = None,
+    *,
+    rng: bool = True,
+) -> int:
+    """Load step ``step`` (default: the latest) into the existing model and optimizer; collective.
+
+    The model and optimizer must be built as for the run that saved (same layout; the
+    ``dp_reshardable`` format reshards DP only). RNG states are restored when the
+    saving job had the same layout (one file per rank), which makes the resumed run
+    bitwise identical to one that never stopped. Returns the step loaded.
+    """
+    from megatron.core import dist_checkpointing
+
+    t0 = time.perf_counter()
+    step = _resolve_step(ckpt_dir, step)
+    path = iter_dir(ckpt_dir, step)
+    if not (path / "metadata.json").is_file():
+        raise CheckpointNotFoundError(
+            f"checkpoint {path} is missing or incomplete: expected {path / 'metadata.json'} "
+            "(dist_checkpointing writes it last)"
+        )
+    meta = read_meta(ckpt_dir, step)
+    saved, now = meta["layout"], _layout()
+    sharding_type = meta["sharding_type"]
+    same_layout = saved == now
+    if sharding_type == "dp_reshardable" and any(saved[k] != now[k] for k in ("tp", "pp", "cp", "vpp")):
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was saved with layout {saved} in the {sharding_type!r} format, "
+            f"which reshards data-parallel only; this job is {now}"
+        )
+
+    metadata = {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True}
+    with _cpu_shim():
+        sd = _sharded_state_dict(model, optimizer, metadata, is_loading=True)
+        try:
+            state = dist_checkpointing.load(sd, str(path))
+        except Exception as exc:  # noqa: BLE001 - DCP wraps per-rank failures in its own type
+            raise CheckpointError(f"loading {path} failed on rank {dist.get_rank()}: {exc}") from exc
+        if len(model) == 1:
+            model[0].load_state_dict(state["model"], strict=True)
+        else:
+            for i, chunk in enumerate(model):
+                chunk.load_state_dict(state[f"model{i}"], strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+
+    if rng:
+        if same_layout:
+            _set_rng_state(torch.load(_rng_file(path, dist.get_rank()), weights_only=False))
+        else:
+            log.warning("checkpoint %s: layout %s differs from %s, RNG states not restored", path, saved, now)
+    dist.barrier()  # nobody trains on while a peer is still reading
+    log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
+    return step
+
+
+def _megatron_version() -> str:
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version("megatron-core")
+    except Exception:  # noqa: BLE001
+        return "unknown"

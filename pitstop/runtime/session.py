@@ -1,0 +1,478 @@
+"""The worker side of pitstop: one call per iteration boundary keeps a training loop alive.
+
+::
+
+    session = Session(model, optimizer, make_data)
+    for step in session.steps(last=args.steps):
+        out = train_step(args, model, optimizer, session.data)
+        if session.commit(step):          # the iteration boundary
+            log(step, out)                # only committed steps are reported
+
+``commit`` votes through the control store. When every rank arrived, the step is
+committed: its state becomes the rollback point and the buddy copy. When a rank
+died during the step, the stayers roll back, rebuild only the delta groups with the
+joiner, hand it its state (buddy copy + a parameter all-gather), and ``steps``
+yields the same step again::
+
+    step s:   fwd  bwd  reduce  opt  |boundary|           the kill lands here
+    stayers:  ----------xxxxxxx------|poisoned| rollback, delta rebuild, state -> joiner
+    joiner:                          |  built groups + model | recv shard | redo s
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pitstop import pg as pgmod
+from pitstop.errors import PitstopError, RecoveryError
+from pitstop.plan import plan_replace
+from pitstop.runtime import keys, state
+from pitstop.runtime.faults import Fault
+from pitstop.runtime.swap import swap_groups
+from pitstop.runtime.worker import Membership, require_current
+
+log = logging.getLogger("pitstop.session")
+
+#: The kind whose group shares one distributed-optimizer shard set (buddy ring, state hand-off).
+SHARD_KIND = "dp-cp"
+
+
+class Session:
+    """pitstop's hook into one training process (see the module docstring)."""
+
+    def __init__(self, model: Sequence[Any], optimizer, make_data: Callable[[int], Iterator], *,
+                 checkpoint_dir: Optional[str] = None) -> None:
+        from pitstop.integrations import megatron as integ
+
+        self.m: Membership = require_current()
+        self.model = list(model)
+        self.optimizer = optimizer
+        self.make_data = make_data
+        self.registry = integ.registry()
+        if self.registry is None:
+            raise PitstopError("pitstop's groups are not installed: use pitstop.integrations.megatron.initialize_model_parallel")
+        self.layout = self.registry.layout
+        self.rank = self.m.role
+        self.gen = self.registry.generation
+        self.fence = pgmod.FENCE
+        self.cfg = self.m.config
+        self.checkpoint_dir = checkpoint_dir or self.cfg.save_dir or None
+        self.data: Optional[Iterator] = None
+        self.step = 0
+        self.first_step = 1
+        self.snap: Optional[state.Snapshot] = None
+        self.buddy: Optional[state.Snapshot] = None
+        self._spare: List[Optional[torch.Tensor]] = [None, None]
+        self._committed: Optional[bool] = None
+        self._lock = threading.Lock()
+        self._aborted_gen = -1
+        self._drain: Optional[Dict[str, Any]] = None
+        self.hook_s = 0.0
+        """Seconds spent in :meth:`commit` on committed steps (the steady-state overhead)."""
+        self.buddy_s = 0.0
+        self.steps_committed = 0
+        self.fault = Fault.from_env() if (self.m.mode == "worker" and self.m.epoch == 0) else None
+        if self.fault is not None and self.fault.rank == self.rank:
+            self._arm_fault()
+        if self.m.heartbeat is not None:
+            self.m.heartbeat.watchers.append(self._watch)
+
+    # ------------------------------------------------------------------ helpers
+    def prefix(self) -> str:
+        return f"[g{self.gen} r{self.rank} step {self.step}]"
+
+    def _info(self, msg: str, *args) -> None:
+        log.info("%s " + msg, self.prefix(), *args)
+
+    @property
+    def controlled(self) -> bool:
+        return self.m.controlled
+
+    @property
+    def store(self) -> dist.Store:
+        return self.m.store
+
+    def _shard_group(self):
+        e = self.registry.entry(SHARD_KIND)
+        return e.ranks, (e.gloo or e.group)
+
+    @staticmethod
+    def _ring(ranks: List[int], r: int):
+        i = ranks.index(r)
+        return ranks[(i + 1) % len(ranks)], ranks[(i - 1) % len(ranks)]
+
+    def _report(self, gen: int, who: str, **timings: float) -> None:
+        self.store.set(keys.timing(gen, who), json.dumps({k: round(v, 4) for k, v in timings.items()}))
+
+    # ------------------------------------------------------------------ the loop
+    def steps(self, last: int) -> Iterator[int]:
+        """Yield step numbers from where this process starts up to ``last``; a step
+        that a failure discarded is yielded again."""
+        self._start()
+        step = self.first_step
+        while step <= last:
+            self.step = step
+            self._committed = None
+            self.fence.reset()
+            self.fence.armed = self.controlled
+            yield step
+            if self._committed is None:
+                raise PitstopError(f"{self.prefix()} the loop body must call session.commit({step})")
+            if self._committed:
+                step += 1
+        self.fence.armed = False
+
+    def commit(self, step: Optional[int] = None) -> bool:
+        """The iteration boundary: True if the step is committed, False if it was discarded
+        (``steps`` then yields it again, after recovery)."""
+        step = self.step if step is None else step
+        if not self.controlled:
+            self._committed = True
+            return True
+        t0 = time.perf_counter()
+        pending, received = self._take_and_exchange(step)
+        poisoned = self.fence.poisoned
+        self.fence.armed = False
+        verdict = self._vote(step, poisoned)
+        if verdict in ("ok", "switch"):
+            self._spare = [self.snap.data if self.snap else None, self.buddy.data if self.buddy else None]
+            self.snap = pending
+            if received is not None:
+                self.buddy = received
+            self.steps_committed += 1
+            self.hook_s += time.perf_counter() - t0
+            self.registry.reap()
+            if self.cfg.save_interval and step % self.cfg.save_interval == 0:
+                self._save(step)
+            if verdict == "switch":
+                self._switch(step)
+            self._committed = True
+            return True
+        self._info("step discarded (%s)", verdict[:120])
+        self._recover(step)
+        self._committed = False
+        return False
+
+    # ------------------------------------------------------------------ boundary pieces
+    def _take_and_exchange(self, step: int):
+        """Pack this rank's state (rollback point) and swap it with the buddy ring."""
+        seq = pgmod.world_group().seq
+        snap = state.take(self.optimizer, step, seq, out=self._spare[0])
+        ranks, group = self._shard_group()
+        if not self.cfg.buddy or len(ranks) == 1 or self.fence.poisoned:
+            return snap, None
+        t0 = time.perf_counter()
+        nxt, prv = self._ring(ranks, self.rank)
+        self.fence.armed = True
+        meta = torch.frombuffer(bytearray(snap.meta_bytes()), dtype=torch.uint8)
+        sizes = torch.tensor([meta.numel(), snap.data.numel()], dtype=torch.int64)
+        rsizes = torch.zeros(2, dtype=torch.int64)
+        self._sendrecv(sizes, rsizes, nxt, prv, group)
+        rmeta = torch.empty(int(rsizes[0]), dtype=torch.uint8)
+        spare = self._spare[1]
+        rdata = spare if spare is not None and spare.numel() == int(rsizes[1]) else torch.empty(int(rsizes[1]), dtype=torch.uint8)
+        self._sendrecv(meta, rmeta, nxt, prv, group)
+        self._sendrecv(snap.data, rdata, nxt, prv, group)
+        self.buddy_s += time.perf_counter() - t0
+        if self.fence.poisoned:
+            return snap, None
+        return snap, state.Snapshot.from_wire(bytes(rmeta.numpy()), rdata)
+
+    @staticmethod
+    def _sendrecv(out: torch.Tensor, inp: torch.Tensor, dst: int, src: int, group) -> None:
+        works = [dist.isend(out, dst, group=group), dist.irecv(inp, src, group=group)]
+        for w in works:
+            w.wait()
+
+    def _vote(self, step: int, poisoned: bool) -> str:
+        st, vk = self.store, keys.verdict(self.gen, step)
+        if poisoned:
+            st.compare_set(vk, "", f"poisoned at r{self.rank}: {self.fence.errors[0]}")
+        elif st.add(keys.arrive(self.gen, step), 1) == self.layout.world_size:
+            want = "switch" if st.check([keys.drain_ready(self.gen)]) else "ok"
+            if st.compare_set(vk, "", want).decode() == want:
+                st.set(keys.COMMITTED, f"{self.gen}:{step}:{time.time():.6f}")
+                if want == "switch":
+                    st.set(keys.drain_switch(self.gen), f"{step}:{time.time():.6f}")
+        st.wait([vk], timedelta(seconds=self.cfg.collective_timeout_s * 2))
+        return st.get(vk).decode()
+
+    def _save(self, step: int) -> None:
+        from pitstop.runtime import checkpoint
+
+        t0 = time.perf_counter()
+        checkpoint.save(self.checkpoint_dir, step, self.model, self.optimizer)
+        self._info("checkpoint of step %d saved in %.2fs", step, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ watchers (heartbeat thread)
+    def _watch(self, st: dist.Store) -> None:
+        gen = self.gen
+        if self._aborted_gen < gen and st.check([keys.fault(gen)]):
+            info = json.loads(st.get(keys.fault(gen)))
+            if info.get("role") is not None:
+                self._abort_delta(gen, info["role"])
+        if self._drain is None and st.check([keys.drain(gen)]):
+            info = json.loads(st.get(keys.drain(gen)))
+            self._drain = {"info": info, "gen": gen}
+            t = threading.Thread(target=self._prepare_drain, args=(self._drain,), name="pitstop-drain-prepare", daemon=True)
+            self._drain["thread"] = t
+            t.start()
+
+    def _abort_delta(self, gen: int, role: int) -> None:
+        """Fail fast: abort this rank's groups that hold the failed role, so a collective
+        blocked on them returns now rather than at the timeout."""
+        with self._lock:
+            if self.gen != gen or self._aborted_gen >= gen or role == self.rank:
+                return
+            self._aborted_gen = gen
+            kinds = plan_replace(self.layout, (role,), gen, gen + 1).rebuilt_kinds(self.rank)
+            for k in kinds:
+                e = self.registry.entry(k)
+                for g in (e.group, e.gloo) if e else ():
+                    if isinstance(g, pgmod.GuardedGroup):
+                        self.fence.broken[g.group_name] = g
+                        g.abort_inner()
+
+    # ------------------------------------------------------------------ unplanned: recovery
+    def _wait_fault(self) -> dict:
+        fk = keys.fault(self.gen)
+        self.store.wait([fk], timedelta(seconds=self.cfg.collective_timeout_s * 2))
+        return json.loads(self.store.get(fk))
+
+    def _advance(self, pending) -> Any:
+        """Swap in the next generation's groups everywhere: registry, framework objects, parallel_state."""
+        from pitstop.integrations import megatron as integ
+
+        old = {k: self.registry.entry(k) for k in pending.entries}
+        report = self.registry.commit(pending)
+        mapping: Dict[int, dist.ProcessGroup] = {}
+        for k, e in pending.entries.items():
+            o = old.get(k)
+            if o is None:
+                continue
+            mapping[id(o.group)] = e.group
+            if o.gloo is not None and e.gloo is not None:
+                mapping[id(o.gloo)] = e.gloo
+        swapped = swap_groups([self.model, self.optimizer], mapping)
+        integ.install(self.registry)
+        self.gen = self.registry.generation
+        return report, swapped
+
+    def _recover(self, step: int) -> None:
+        t_seen = time.time()
+        info = self._wait_fault()
+        if info.get("fallback"):
+            self._info("no standby left: the controller restarts the job from the checkpoint of step %s", info.get("resume_step"))
+            # the controller stops every process and restarts them; never hang here
+            time.sleep(3600)
+        role, new_gen = info["role"], info["generation"]
+        t0 = time.perf_counter()
+        with self._lock:
+            state.restore(self.optimizer, self.snap)
+            t_roll = time.perf_counter()
+            report, swapped = self._advance(self.registry.prepare(role))
+            if self.gen != new_gen:
+                raise RecoveryError(f"{self.prefix()} advanced to generation {self.gen}, the controller announced {new_gen}")
+            t_groups = time.perf_counter()
+        ranks, group = self._shard_group()
+        if role in ranks and len(ranks) > 1:
+            nxt, prv = self._ring(ranks, role)
+            if self.rank == nxt:
+                if self.buddy is None or self.buddy.step != step - 1:
+                    raise RecoveryError(
+                        f"{self.prefix()} holds the buddy copy of role {role} for step "
+                        f"{None if self.buddy is None else self.buddy.step}, needs step {step - 1}"
+                    )
+                state.send_snapshot(self.buddy, role, group)
+            if self.rank == prv and self.cfg.buddy:
+                state.send_snapshot(self.snap, role, group)
+        t_state = time.perf_counter()
+        state.resync_params(self.model, self.optimizer)
+        self.data = self.make_data(step)
+        self.fence.reset()
+        t_end = time.perf_counter()
+        self._report(self.gen, f"r{self.rank}", seen=t_seen, rollback_s=t_roll - t0, groups_s=t_groups - t_roll,
+                     state_s=t_end - t_groups, transfer_s=t_state - t_groups, ready=time.time(),
+                     rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped)
+        self._info("recovered: role %d now played by a joiner; %d groups rebuilt, %d kept, %d references swapped",
+                   role, len(report.rebuilt), len(report.kept), swapped)
+
+    # ------------------------------------------------------------------ planned: drain
+    def _prepare_drain(self, d: Dict[str, Any]) -> None:
+        """Phase 1 (background thread): build the next generation's groups, or the hand-off pair."""
+        try:
+            info, gen = d["info"], d["gen"]
+            role = info["role"]
+            plan = plan_replace(self.layout, (role,), gen, gen + 1)
+            if self.rank == role:
+                d["handoff"] = _handoff_pair(gen, 0, self.cfg)
+            elif self.rank in plan.ranks_involved:
+                d["pending"] = self.registry.prepare(role)
+            else:
+                return
+            st = _client()
+            if st.add(keys.drain_nready(gen), 1) == len(plan.ranks_involved) + 1:
+                st.set(keys.drain_ready(gen), "1")
+        except Exception as exc:  # noqa: BLE001 - reported at the switch
+            d["error"] = exc
+            log.exception("%s drain preparation failed", self.prefix())
+
+    def _switch(self, step: int) -> None:
+        """Phase 2, at the boundary after ``step``: the leaver hands over and leaves."""
+        d = self._drain
+        if d is None or d["gen"] != self.gen:
+            raise RecoveryError(f"{self.prefix()} switch verdict without a prepared drain")
+        d["thread"].join()
+        if "error" in d:
+            raise RecoveryError(f"{self.prefix()} drain preparation failed: {d['error']}") from d["error"]
+        role = d["info"]["role"]
+        t0 = time.perf_counter()
+        if self.rank == role:
+            pair = d["handoff"]
+            state.send_snapshot_raw(pair, self.snap, 1)
+            state.pg_send(pair, torch.tensor([1 if self.buddy is not None else 0]), 1)
+            if self.buddy is not None:
+                state.send_snapshot_raw(pair, self.buddy, 1)
+            for buf in state.param_buffers(self.model):
+                state.pg_send(pair, buf, 1)
+            self._report(self.gen + 1, "leaver", send_s=time.perf_counter() - t0, ready=time.time())
+            self._info("drained: state handed to the joiner; leaving")
+            logging.shutdown()
+            import os
+            import sys
+
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        with self._lock:
+            pending = d.get("pending") or self.registry.prepare(role)
+            report, swapped = self._advance(pending)
+        self._drain = None
+        self._report(self.gen, f"r{self.rank}", switch_s=time.perf_counter() - t0, ready=time.time(),
+                     rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped)
+
+    # ------------------------------------------------------------------ start
+    def _start(self) -> None:
+        if not self.controlled:
+            self.data = self.make_data(1)
+            return
+        mode = self.m.mode
+        if mode == "recover":
+            self._start_recover()
+        elif mode == "drain":
+            self._start_drain()
+        else:
+            if mode == "restart":
+                from pitstop.runtime import checkpoint
+                import os
+
+                from pitstop.runtime.worker import ENV_RESUME
+
+                loaded = checkpoint.load(self.checkpoint_dir, self.model, self.optimizer, int(os.environ[ENV_RESUME]))
+                self.first_step = loaded + 1
+                self._info("restarted from the checkpoint of step %d", loaded)
+            self.data = self.make_data(self.first_step)
+            # the first rollback point and buddy copy: the state before the first step
+            self.step = self.first_step - 1
+            self.snap, self.buddy = self._take_and_exchange(self.first_step - 1)
+
+    def _start_recover(self) -> None:
+        """A joiner for a failed role: shard from the buddy, parameters from the all-gather."""
+        a = self.m.assignment
+        role, step = self.rank, int(a["step"])
+        t0 = time.perf_counter()
+        ranks, group = self._shard_group()
+        nxt, prv = self._ring(ranks, role)
+        snap = state.recv_snapshot(nxt, group)
+        self.buddy = state.recv_snapshot(prv, group) if self.cfg.buddy else None
+        state.restore(self.optimizer, snap)
+        self.snap = snap
+        pgmod.world_group().attach(snap.world_seq)
+        t_state = time.perf_counter()
+        state.resync_params(self.model, self.optimizer)
+        self.first_step = step
+        self.step = step
+        self.data = self.make_data(step)
+        self._report(self.gen, "joiner", joined=self.m.joined_at, recv_s=t_state - t0, state_s=time.perf_counter() - t0, ready=time.time())
+        self._info("joined as role %d at step %d (state from buddy r%d)", role, step, nxt)
+
+    def _start_drain(self) -> None:
+        """A joiner for a draining role: phase 1 done (groups, model), wait for the switch, take the state."""
+        a = self.m.assignment
+        old_gen = int(a["from_generation"])
+        pair = _handoff_pair(old_gen, 1, self.cfg)
+        plan = plan_replace(self.layout, (self.rank,), old_gen, old_gen + 1)
+        st = self.store
+        if st.add(keys.drain_nready(old_gen), 1) == len(plan.ranks_involved) + 1:
+            st.set(keys.drain_ready(old_gen), "1")
+        t_prepared = time.time()
+        st.wait([keys.drain_switch(old_gen)], timedelta(days=1))
+        step_s, t_switch = st.get(keys.drain_switch(old_gen)).decode().split(":")
+        t0 = time.perf_counter()
+        snap = state.recv_snapshot_raw(pair, 0)
+        has_buddy = torch.zeros(1, dtype=torch.int64)
+        state.pg_recv(pair, has_buddy, 0)
+        self.buddy = state.recv_snapshot_raw(pair, 0) if int(has_buddy) else None
+        for buf in state.param_buffers(self.model):
+            state.pg_recv(pair, buf, 0)
+        state.restore(self.optimizer, snap)
+        self.snap = snap
+        pgmod.world_group().attach(snap.world_seq)
+        self.first_step = int(step_s) + 1
+        self.step = self.first_step
+        self.data = self.make_data(self.first_step)
+        now = time.time()
+        self._report(self.gen, "joiner", prepared=t_prepared, switch_at=float(t_switch), recv_s=time.perf_counter() - t0,
+                     ready=now, pause_s=now - float(t_switch))
+        self._info("took over role %d after step %s (pause %.3fs)", self.rank, step_s, now - float(t_switch))
+
+    # ------------------------------------------------------------------ fault injection
+    def _arm_fault(self) -> None:
+        f = self.fault
+        chunk = self.model[0]
+
+        def fire(phase: str) -> None:
+            if self.step == f.step and phase == f.phase:
+                self.store.set(keys.FAULT_FIRED, f"{time.time():.6f}")
+                self._info("fault injector: signal %s in phase %s", f.sig, phase)
+                f.fire()
+
+        chunk.register_forward_pre_hook(lambda *_: fire("forward"))
+        p = next(q for q in chunk.module.parameters() if q.requires_grad)
+        p.register_hook(lambda g: (fire("backward"), g)[1])
+        _wrap(chunk, "finish_grad_sync", lambda: fire("grad-reduce"))
+        _wrap(chunk, "start_param_sync", lambda: fire("param-gather"))
+        _wrap(self.optimizer, "step", lambda: fire("optimizer"))
+
+
+def _wrap(obj: Any, name: str, before: Callable[[], None]) -> None:
+    orig = getattr(obj, name)
+
+    def wrapped(*a, **k):
+        before()
+        return orig(*a, **k)
+
+    setattr(obj, name, wrapped)
+
+
+def _client() -> dist.TCPStore:
+    import os
+
+    from pitstop.store import ENV_STORE, parse_endpoint
+
+    host, port = parse_endpoint(os.environ[ENV_STORE])
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(minutes=5))
+
+
+def _handoff_pair(gen: int, rank: int, cfg) -> dist.ProcessGroup:
+    """The leaver (0) and the joiner (1) of a drain: a two-process gloo pair of their own."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"pitstop/handoff/g{gen}", _client()), rank, 2,
+                                 timedelta(seconds=cfg.collective_timeout_s))

@@ -1,0 +1,226 @@
+"""A role's state as bytes: the distributed-optimizer shard, the RNG streams, the parameters.
+
+What a role owns that nobody else has is its distributed-optimizer shard (main
+parameters and optimizer moments of its 1/dp slice) and its RNG streams. That is
+what the buddy copy holds and what a leaver hands over. The full parameters are
+shared by the data-parallel peers: after the shard is in place one parameter
+all-gather (Megatron's own ``start_param_sync``) rebuilds them on every rank.
+
+A :class:`Snapshot` is taken at every committed iteration boundary. It is at once
+the rollback point of this rank and the payload sent to the buddy, so the buddy
+copy costs one pack, not two.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import random
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pitstop.errors import RecoveryError
+
+
+def sub_optimizers(optimizer) -> List[Any]:
+    """Megatron's optimizers in a fixed order (a ChainedOptimizer's parts, or itself)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _shard_items(optimizer) -> List[Tuple[str, torch.Tensor, Any, Optional[str]]]:
+    """(name, tensor, torch-optimizer, state key) for every tensor of this rank's shard.
+
+    The order is the optimizers' own param-group order, identical on every process
+    that built the same role. ``state key`` None is the main parameter itself.
+    """
+    out = []
+    for i, opt in enumerate(sub_optimizers(optimizer)):
+        inner = opt.optimizer
+        for g, group in enumerate(inner.param_groups):
+            for j, p in enumerate(group["params"]):
+                out.append((f"o{i}.g{g}.p{j}", p.data, inner, None))
+                for key in sorted(inner.state.get(p, {})):
+                    v = inner.state[p][key]
+                    if torch.is_tensor(v):
+                        out.append((f"o{i}.g{g}.p{j}.{key}", v, (inner, p), key))
+    return out
+
+
+def rng_state() -> Dict[str, Any]:
+    """Every RNG stream a Megatron step may draw from."""
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@dataclass
+class Snapshot:
+    """This rank's own state after a committed step, in CPU memory."""
+
+    step: int
+    """The last step whose update this state includes."""
+    layout: List[Tuple[str, Tuple[int, ...], str, Optional[str]]]
+    """(name, shape, dtype, state key) per tensor, in pack order."""
+    data: torch.Tensor
+    """All shard tensors' bytes, concatenated (uint8, CPU)."""
+    rng: bytes
+    """Pickled :func:`rng_state`."""
+    world_seq: int = 0
+    """The world group's operation counter, so a joiner stays in step with it."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel()) + len(self.rng)
+
+    # ------------------------------------------------------------------ wire form
+    def meta_bytes(self) -> bytes:
+        return pickle.dumps((self.step, self.layout, self.rng, self.world_seq))
+
+    @classmethod
+    def from_wire(cls, meta: bytes, data: torch.Tensor) -> "Snapshot":
+        step, layout, rng, seq = pickle.loads(meta)
+        return cls(step, layout, data, rng, seq)
+
+
+def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] = None) -> Snapshot:
+    """Pack this rank's shard and RNG streams (into ``out`` when its size fits, to avoid allocating)."""
+    items = _shard_items(optimizer)
+    layout = [(n, tuple(t.shape), str(t.dtype).replace("torch.", ""), key) for n, t, _, key in items]
+    flats = [t.detach().reshape(-1).view(torch.uint8) for _, t, _, _ in items]
+    total = sum(f.numel() for f in flats)
+    if out is None or out.numel() != total:
+        out = torch.empty(total, dtype=torch.uint8)
+    if flats:
+        torch.cat([f.cpu() for f in flats], out=out)
+    return Snapshot(step, layout, out, pickle.dumps(rng_state()), world_seq)
+
+
+def restore(optimizer, snap: Snapshot) -> None:
+    """Write ``snap`` into this rank's shard and RNG streams.
+
+    A joiner's optimizer has not stepped yet, so its moments do not exist: they are
+    created from the snapshot's layout. Refuses a snapshot of another shape.
+    """
+    items = _shard_items(optimizer)
+    by_name = {n: (t, owner, key) for n, t, owner, key in items}
+    offset = 0
+    for name, shape, dtype, key in snap.layout:
+        dt = getattr(torch, dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
+        src = snap.data[offset: offset + n].view(dt).view(shape)
+        offset += n
+        if name in by_name:
+            t, _, _ = by_name[name]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dt:
+                raise RecoveryError(
+                    f"state {name}: snapshot has {tuple(shape)} {dtype}, this role has "
+                    f"{tuple(t.shape)} {t.dtype}: the joiner built a different model"
+                )
+            t.copy_(src)
+            continue
+        # a moment the joiner's optimizer has not created yet: o{i}.g{g}.p{j}.{key}
+        base = name.rsplit(".", 1)[0]
+        if key is None or base not in by_name:
+            raise RecoveryError(f"state {name} of the snapshot has no counterpart in this role's optimizer")
+        param, inner, _ = by_name[base]
+        owner_opt = inner
+        p = _param_of(owner_opt, base)
+        owner_opt.state[p][key] = src.clone().to(param.device)
+    if offset != snap.data.numel():
+        raise RecoveryError(f"snapshot holds {snap.data.numel()} bytes but its layout describes {offset}")
+    set_rng_state(pickle.loads(snap.rng))
+
+
+def _param_of(inner, base: str) -> torch.Tensor:
+    _, g, j = base.split(".")
+    return inner.param_groups[int(g[1:])]["params"][int(j[1:])]
+
+
+def resync_params(model: Sequence[Any], optimizer) -> None:
+    """Rebuild the full parameters from every rank's shard: Megatron's own copy + all-gather."""
+    for opt in sub_optimizers(optimizer):
+        opt._copy_main_params_to_model_params()
+    for chunk in model:
+        chunk.start_param_sync(force_sync=True)
+
+
+def param_buffers(model: Sequence[Any]) -> List[torch.Tensor]:
+    """The contiguous parameter buffers of Megatron DDP, in a fixed order."""
+    out = []
+    for chunk in model:
+        for buf in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
+            out.append(buf.param_data)
+    return out
+
+
+# ------------------------------------------------------------------ point to point
+def send_snapshot(snap: Snapshot, dst: int, group, tag: int = 0) -> None:
+    """Send ``snap`` to global rank ``dst`` of ``group`` (a registered group)."""
+    meta = torch.frombuffer(bytearray(snap.meta_bytes()), dtype=torch.uint8)
+    sizes = torch.tensor([meta.numel(), snap.data.numel()], dtype=torch.int64)
+    dist.send(sizes, dst, group=group, tag=tag)
+    dist.send(meta, dst, group=group, tag=tag)
+    if snap.data.numel():
+        dist.send(snap.data, dst, group=group, tag=tag)
+
+
+def recv_snapshot(src: int, group, tag: int = 0) -> Snapshot:
+    sizes = torch.empty(2, dtype=torch.int64)
+    dist.recv(sizes, src, group=group, tag=tag)
+    meta = torch.empty(int(sizes[0]), dtype=torch.uint8)
+    dist.recv(meta, src, group=group, tag=tag)
+    data = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    if data.numel():
+        dist.recv(data, src, group=group, tag=tag)
+    return Snapshot.from_wire(bytes(meta.numpy()), data)
+
+
+def pg_send(pg, tensor: torch.Tensor, dst: int) -> None:
+    """Send on a raw (unregistered) process group, e.g. the leaver-joiner pair."""
+    pg.send([tensor], dst, 0).wait()
+
+
+def pg_recv(pg, tensor: torch.Tensor, src: int) -> None:
+    pg.recv([tensor], src, 0).wait()
+
+
+def send_snapshot_raw(pg, snap: Snapshot, dst: int) -> None:
+    meta = torch.frombuffer(bytearray(snap.meta_bytes()), dtype=torch.uint8)
+    pg_send(pg, torch.tensor([meta.numel(), snap.data.numel()], dtype=torch.int64), dst)
+    pg_send(pg, meta, dst)
+    if snap.data.numel():
+        pg_send(pg, snap.data, dst)
+
+
+def recv_snapshot_raw(pg, src: int) -> Snapshot:
+    sizes = torch.empty(2, dtype=torch.int64)
+    pg_recv(pg, sizes, src)
+    meta = torch.empty(int(sizes[0]), dtype=torch.uint8)
+    pg_recv(pg, meta, src)
+    data = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    if data.numel():
+        pg_recv(pg, data, src)
+    return Snapshot.from_wire(bytes(meta.numpy()), data)

@@ -1,0 +1,160 @@
+"""Worker: train the world-8 GPT of examples/train_gpt.py, optionally saving or resuming a checkpoint.
+
+    ckpt_worker.py --ckpt-dir D --out O [--stop-after N] [--save-at S] [--resume] -- <train_gpt args>
+
+``--steps`` (a train_gpt argument) is the whole schedule; the data is always built for it, so a run
+that resumes at step S sees exactly the batches an uninterrupted run sees from step S+1. Each rank
+writes ``O/rank_<r>.json``: per-step loss (as float.hex, last stage only), final parameter checksum,
+and save/load seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _import_train_gpt():
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _world_gather_scatter() -> None:
+    """Give the store-backed world group ``gather``/``scatter`` if pitstop.pg does not yet.
+
+    dist_checkpointing plans through torch DCP's ``gather_object`` / ``scatter_object_list`` on the
+    world group; they need these two collectives. This is the proposed StoreWorldGroup code.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from pitstop import pg
+
+    if "gather" in pg.StoreWorldGroup.__dict__ and "scatter" in pg.StoreWorldGroup.__dict__:
+        return
+
+    def _bytes(t):
+        return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+    def _tensor(raw, like):
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(like.dtype).view(like.shape)
+
+    class WorldGroup(pg.StoreWorldGroup):
+        def gather(self, output_tensors, input_tensors, opts=None):
+            root = opts.rootRank if opts is not None else 0
+            for i, t in enumerate(input_tensors):
+                op = self._next()
+                keys = [f"{op}/{r}" for r in range(self.size())]
+                self._store.set(keys[self.rank()], _bytes(t))
+                if self.rank() == root:
+                    self._wait_keys(keys)
+                    for o, k in zip(output_tensors[i], keys):
+                        o.copy_(_tensor(self._store.get(k), o))
+                    for k in keys:
+                        self._store.delete_key(k)
+            return pg.DoneWork([o for outs in output_tensors for o in outs])
+
+        def scatter(self, output_tensors, input_tensors, opts=None):
+            root = opts.rootRank if opts is not None else 0
+            for i, t in enumerate(output_tensors):
+                op = self._next()
+                if self.rank() == root:
+                    for r, src in enumerate(input_tensors[i]):
+                        self._store.set(f"{op}/{r}", _bytes(src))
+                key = f"{op}/{self.rank()}"
+                self._wait_keys([key])
+                t.copy_(_tensor(self._store.get(key), t))
+                self._store.delete_key(key)
+            return pg.DoneWork(list(output_tensors))
+
+    dist.Backend.register_backend(
+        pg.WORLD_BACKEND, lambda store, rank, size, timeout: WorldGroup(store, rank, size, timeout),
+        devices=["cpu", "cuda"],
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--stop-after", type=int, default=None, help="last step to run (default: --steps)")
+    p.add_argument("--save-at", type=int, default=None)
+    p.add_argument("--resume", action="store_true", help="load the latest checkpoint first")
+    p.add_argument("--sharding-type", default=None)
+    p.add_argument("--no-world-shim", action="store_true", help="use pitstop.pg's world group as it is")
+    own, rest = p.parse_known_args()
+
+    tg = _import_train_gpt()
+    args = tg.parse_args(rest)
+    stop = own.stop_after or args.steps
+
+    from pitstop.patches import megatron_cpu
+
+    megatron_cpu.apply()
+    if not own.no_world_shim:
+        _world_gather_scatter()
+
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+
+    from pitstop.runtime import checkpoint
+
+    tg.init_distributed(args)
+    tg.init_model_parallel(args)
+    tg.set_seed(args.seed)
+    model = tg.build_model(args)
+    optimizer = tg.build_optimizer(args, model)
+    tg.setup_model_config(model, optimizer)
+
+    rank = dist.get_rank()
+    rec: dict = {"rank": rank, "steps": {}}
+    start = 0
+    if own.resume:
+        dist.barrier()
+        t = time.perf_counter()
+        start = checkpoint.load(own.ckpt_dir, model, optimizer)
+        rec["load_s"] = time.perf_counter() - t
+        rec["extra"] = checkpoint.read_meta(own.ckpt_dir, start)["extra"]
+
+    global_batch = args.micro_batch_size * args.num_microbatches * ps.get_data_parallel_world_size()
+    # The data of the whole schedule, entered at the sample this run starts from.
+    full_steps = args.steps
+    args.steps = full_steps - start
+    data = tg.build_data_iterator(args, consumed_samples=start * global_batch)
+    args.steps = full_steps
+
+    for step in range(start + 1, stop + 1):
+        out = tg.train_step(args, model, optimizer, data)
+        if out["loss"] is not None:
+            rec["steps"][step] = float.hex(out["loss"])
+        if own.save_at == step:
+            kw = {"sharding_type": own.sharding_type} if own.sharding_type else {}
+            dist.barrier()
+            t = time.perf_counter()
+            checkpoint.save(own.ckpt_dir, step, model, optimizer,
+                            extra={"consumed_samples": step * global_batch}, **kw)
+            rec["save_s"] = time.perf_counter() - t
+
+    rec["param_sha256"] = tg.param_checksum(model)
+    rec["last_step"] = stop
+    Path(own.out).mkdir(parents=True, exist_ok=True)
+    (Path(own.out) / f"rank_{rank}.json").write_text(json.dumps(rec))
+
+    dist.barrier()
+    tg.destroy_model_parallel(args)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
