@@ -73,6 +73,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="pitstop owns every process group (default)")
     g.add_argument("--megatron-groups", dest="groups", action="store_const", const="megatron",
                    help="Megatron's own initialize_model_parallel on a gloo/NCCL world group, for comparison")
+    from pitstop.integrations.megatron import add_pitstop_args
+
+    add_pitstop_args(p)
     args = p.parse_args(argv)
     if args.num_layers % args.pp:
         p.error(f"--num-layers ({args.num_layers}) must be divisible by --pp ({args.pp})")
@@ -95,10 +98,9 @@ def init_distributed(args: argparse.Namespace) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if args.groups == "pitstop":
-        from pitstop.pg import init_world
-        from pitstop.store import connect_from_env
+        from pitstop.integrations.megatron import init_distributed as join, runtime_config
 
-        init_world(connect_from_env(), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        join(runtime_config(args))  # a standby returns from here once it has a role
     else:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
@@ -263,15 +265,24 @@ def build_dataset(args: argparse.Namespace, num_samples: int):
     return train
 
 
-def build_data_iterator(args: argparse.Namespace, consumed_samples: int = 0) -> Iterator[dict]:
-    """Micro-batches for this rank's data-parallel slice, deterministic across runs."""
+def global_batch_size(args: argparse.Namespace) -> int:
+    from megatron.core import parallel_state
+
+    return args.micro_batch_size * args.num_microbatches * parallel_state.get_data_parallel_world_size()
+
+
+def build_data_iterator(args: argparse.Namespace, consumed_samples: int = 0, dataset=None) -> Iterator[dict]:
+    """Micro-batches for this rank's data-parallel slice, deterministic across runs.
+
+    Pass ``dataset`` (from :func:`build_dataset`) to start over at another position
+    without building the dataset again (no world barrier: what a rollback needs).
+    """
     from megatron.core import parallel_state
 
     dp_size = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
-    global_batch = args.micro_batch_size * args.num_microbatches * dp_size
-    total = global_batch * args.steps + consumed_samples
-    dataset = build_dataset(args, total)
+    if dataset is None:
+        dataset = build_dataset(args, global_batch_size(args) * args.steps + consumed_samples)
     sampler = DeterministicBatchSampler(
         len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size
     )
@@ -395,29 +406,40 @@ def _run(args: argparse.Namespace, t0: float) -> int:
     model = build_model(args)
     optimizer = build_optimizer(args, model)
     setup_model_config(model, optimizer)
-    data_iterator = build_data_iterator(args)
+    gbs = global_batch_size(args)
+    dataset = build_dataset(args, gbs * args.steps)
 
-    log = is_logging_rank()
-    loss_file = open(args.loss_file, "a") if (log and args.loss_file) else None
-    try:
-        for step in range(1, args.steps + 1):
-            ts = time.perf_counter()
-            out = train_step(args, model, optimizer, data_iterator)
-            if log:
-                line = json.dumps({
-                    "step": step,
-                    "loss": out["loss"],
-                    "loss_hex": float.hex(out["loss"]),
-                    "grad_norm": out["grad_norm"],
-                    "step_time_s": round(time.perf_counter() - ts, 4),
-                })
-                print(line, flush=True)
-                if loss_file is not None:
-                    loss_file.write(line + "\n")
-                    loss_file.flush()
-    finally:
-        if loss_file is not None:
-            loss_file.close()
+    def make_data(step: int):  # the data position of a step: resume and rollback start here
+        return build_data_iterator(args, gbs * (step - 1), dataset)
+
+    if args.groups == "pitstop":
+        from pitstop.integrations.megatron import session as pitstop_session
+
+        session = pitstop_session(model, optimizer, make_data)
+        steps, commit = session.steps(args.steps), session.commit
+    else:
+        session, data = None, make_data(1)
+        steps, commit = range(1, args.steps + 1), (lambda step: True)
+
+    for step in steps:
+        ts = time.perf_counter()
+        out = train_step(args, model, optimizer, session.data if session else data)
+        if not commit(step):  # pitstop's iteration boundary: False = discarded, redone next
+            continue
+        if is_logging_rank():
+            line = json.dumps({
+                "step": step,
+                "loss": out["loss"],
+                "loss_hex": float.hex(out["loss"]),
+                "grad_norm": out["grad_norm"],
+                "step_time_s": round(time.perf_counter() - ts, 4),
+                "generation": session.gen if session else 0,
+                "pid": os.getpid(),
+            })
+            print(line, flush=True)
+            if args.loss_file:  # appended per line: after a replacement another process logs
+                with open(args.loss_file, "a") as f:
+                    f.write(line + "\n")
 
     if args.checksum:
         import resource
@@ -426,8 +448,12 @@ def _run(args: argparse.Namespace, t0: float) -> int:
             "rank": dist.get_rank(),
             "param_sha256": param_checksum(model),
             "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "hook_s": round(session.hook_s, 4) if session else 0.0,
+            "buddy_s": round(session.buddy_s, 4) if session else 0.0,
+            "buddy_bytes": session.buddy.nbytes if session and session.buddy else 0,
+            "steps_committed": session.steps_committed if session else args.steps,
         }), flush=True)
-    if log:
+    if is_logging_rank():
         print(json.dumps({"done": True, "wall_s": round(time.perf_counter() - t0, 2)}), flush=True)
 
     dist.barrier()  # nobody tears down its communicators while a peer still uses them

@@ -1,9 +1,12 @@
 """The ``pitstop`` command line.
 
-    pitstop demo [--steps N] [--run-dir DIR]   train the world-8 GPT (tp2 pp2 dp2) on CPU
-    pitstop bench groups [--json] [--no-timing] group set-up timing and delta scaling
+    pitstop launch --nproc-per-node N --standby S [--run-dir DIR] -- SCRIPT ARGS...
+    pitstop drain --run-dir DIR (--rank R | --host H)
+    pitstop status --run-dir DIR
+    pitstop demo                                  kill + drain on the world-8 GPT, with a summary
+    pitstop bench groups|recovery [--json]
 
-Later subcommands (launch, drain, status, emulate) follow torchrun's flag names.
+Flag names follow torchrun's (``--nproc-per-node``, ``--nnodes``, ``--rdzv-endpoint``).
 """
 
 from __future__ import annotations
@@ -27,17 +30,66 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--pp", type=int, default=2)
     d.add_argument("--run-dir", default="runs/demo", help="logs and loss file go here (default runs/demo)")
 
+    la = sub.add_parser("launch", help="run a training script with a controller, standbys and heartbeats")
+    la.add_argument("--nproc-per-node", type=int, required=True, help="workers on this machine")
+    la.add_argument("--nnodes", type=int, default=1, help="machines (one agent each); 1 is what runs today")
+    la.add_argument("--standby", type=int, default=0, help="warm standby processes (default 0)")
+    la.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                    help="where the control store listens (default 127.0.0.1 and a free port)")
+    la.add_argument("--run-dir", default="runs/latest", help="logs, events.jsonl, roster.json (default runs/latest)")
+    la.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="S")
+    la.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S")
+    la.add_argument("--collective-timeout", type=float, default=120.0, metavar="S")
+    la.add_argument("--no-buddy", action="store_true", help="no CPU buddy copy of optimizer shards")
+    la.add_argument("--save-interval", type=int, default=0, metavar="K",
+                    help="dist_checkpointing save every K steps: the fallback when no standby is left (0: off)")
+    la.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
+
+    dr = sub.add_parser("drain", help="move a rank (or every rank of a host) to a standby, training on")
+    dr.add_argument("--run-dir", required=True)
+    who = dr.add_mutually_exclusive_group(required=True)
+    who.add_argument("--rank", type=int)
+    who.add_argument("--host")
+
+    st = sub.add_parser("status", help="print the roster and the last events of a run")
+    st.add_argument("--run-dir", required=True)
+    st.add_argument("--last", type=int, default=10)
+
     b = sub.add_parser("bench", help="benchmarks; each prints one JSON object")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     g = bsub.add_parser("groups", help="group init time (Megatron vs pitstop), delta rebuild time, delta size up to 8,192 ranks")
     g.add_argument("--json", action="store_true", help="print JSON only (the default output is JSON too, indented)")
     g.add_argument("--no-timing", action="store_true", help="skip the multi-process timing; print only the plan rows")
+    r = bsub.add_parser("recovery", help="checkpoint restart vs pitstop replacement vs drain, one run, same job")
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--steps", type=int, default=8)
+    r.add_argument("--run-dir", default="runs/bench-recovery")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.cmd == "launch":
+            return _launch(args)
+        if args.cmd == "drain":
+            from pitstop.launch.controller import request_drain
+
+            n = request_drain(args.run_dir, rank=args.rank, host=args.host)
+            print(f"drain request {n} sent ({'rank ' + str(args.rank) if args.rank is not None else 'host ' + args.host}); "
+                  f"follow it with: pitstop status --run-dir {args.run_dir}")
+            return 0
+        if args.cmd == "status":
+            from pitstop.launch.events import status_table
+
+            print(status_table(args.run_dir, args.last))
+            return 0
+        if args.cmd == "bench" and args.bench == "recovery":
+            from pitstop.launch.bench_recovery import bench_recovery
+
+            out = bench_recovery(steps=args.steps, run_dir=args.run_dir)
+            print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+            return 0
         if args.cmd == "demo":
             from pitstop.launch.demo import run_demo
 
@@ -52,6 +104,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"pitstop: error: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+def _launch(args) -> int:
+    from pathlib import Path
+
+    from pitstop.launch.controller import Controller, LaunchSpec
+    from pitstop.runtime.config import RuntimeConfig
+
+    script = list(args.script)
+    if script and script[0] == "--":
+        script = script[1:]
+    cfg = RuntimeConfig(
+        heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
+        collective_timeout_s=args.collective_timeout, buddy=not args.no_buddy, save_interval=args.save_interval,
+    )
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k == "PITSTOP_FAULT"}
+    spec = LaunchSpec(script, args.nproc_per_node, args.standby, args.nnodes, args.rdzv_endpoint,
+                      Path(args.run_dir), cfg, env)
+    if not Path(script[0]).exists():
+        raise PitstopError(f"training script {script[0]!r} does not exist")
+    return Controller(spec).run()
 
 
 if __name__ == "__main__":  # pragma: no cover

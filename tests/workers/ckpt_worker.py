@@ -11,9 +11,10 @@ and save/load seconds.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib.util
 import json
-import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -83,6 +84,7 @@ def _world_gather_scatter() -> None:
 
 
 def main() -> int:
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack to stderr
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--out", required=True)

@@ -1,0 +1,481 @@
+"""The controller: hosts the control store, owns the roster and the event log, drives both data flows.
+
+::
+
+    pitstop launch ──> Controller ── TCPStore (embedded, loopback by default)
+                          │  roster g0 -> g1 -> ...      events.jsonl, roster.json
+                          └─ Agent (this machine) ── workers r0..rN-1, standbys
+
+Unplanned: a worker exits (or stops beating and is killed) -> pick a standby ->
+roster g+1 -> announce the fault in the store (stayers roll back and rebuild the
+delta) -> assign the role to the standby. Planned (``pitstop drain``): assign the
+joiner, let everyone prepare in the background, switch at the next boundary.
+With no standby left: an explicit, logged checkpoint restart; never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from pitstop.errors import PitstopError
+from pitstop.launch.agent import Agent, Proc
+from pitstop.launch.events import CONTROLLER, ROSTER, EventLog
+from pitstop.launch.local import worker_env
+from pitstop.launch.token import ENV_TOKEN, new_token, verify
+from pitstop.roster import ProcessInfo, Roster
+from pitstop.runtime import keys
+from pitstop.runtime.config import RuntimeConfig
+from pitstop.runtime.worker import ENV_CONTROLLER, ENV_EPOCH, ENV_GENERATION, ENV_RESUME, ENV_STANDBY
+from pitstop.store import host_store, parse_endpoint
+
+log = logging.getLogger("pitstop.controller")
+
+
+@dataclass
+class LaunchSpec:
+    """What ``pitstop launch`` was asked to run."""
+
+    argv: List[str]
+    """The training script and its arguments."""
+    nproc_per_node: int
+    standby: int = 0
+    nnodes: int = 1
+    rdzv_endpoint: Optional[str] = None
+    run_dir: Path = Path("runs/latest")
+    config: RuntimeConfig = field(default_factory=RuntimeConfig)
+    env: Dict[str, str] = field(default_factory=dict)
+    """Extra environment for every process (e.g. ``PITSTOP_FAULT``)."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise PitstopError(f"--nproc-per-node({self.nproc_per_node}) must be >= 1")
+        if self.standby < 0:
+            raise PitstopError(f"--standby({self.standby}) must be >= 0")
+        if self.nnodes != 1:
+            raise PitstopError(
+                f"--nnodes({self.nnodes}): this controller runs the single-machine agent only; "
+                "multi-node (one agent per node under srun) is not implemented yet"
+            )
+        if not self.argv:
+            raise PitstopError("no training script given: pitstop launch [options] -- SCRIPT ARGS...")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+@dataclass
+class Member:
+    slot: int
+    proc: Optional[Proc]
+    info: ProcessInfo
+    standby: bool
+    beats: int = -1
+    last_beat: float = field(default_factory=time.monotonic)
+
+
+class Controller:
+    """Runs one job to its end (see the module docstring)."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.cfg = spec.config
+        self.run_dir = Path(spec.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        host, port = parse_endpoint(spec.rdzv_endpoint) if spec.rdzv_endpoint else ("127.0.0.1", 0)
+        self.store = host_store(host, port)
+        self.host, self.port = host, self.store.port
+        self.token = new_token()
+        self.events = EventLog(self.run_dir)
+        self.agent = Agent(self.run_dir)
+        self.members: Dict[int, Member] = {}          # by slot
+        self.by_pid: Dict[int, Proc] = {}
+        self.roster: Optional[Roster] = None
+        self.role_slots: Dict[int, int] = {}          # role -> slot
+        self.pool: List[int] = []                     # standby slots, in join order
+        self.epoch = 0
+        self.generation = 0
+        self.next_join = 1
+        self.pending: List[Dict[str, Any]] = []       # changes waiting for their first step after
+        self.drain_queue: List[int] = []
+        self.draining: Optional[Dict[str, Any]] = None
+        self.leavers: set = set()
+        self.drain_seen = 0
+        self.sb_count = 0
+        self.finished: set = set()
+        self.exit_code: Optional[int] = None
+        (self.run_dir / CONTROLLER).write_text(json.dumps({"host": self.host, "port": self.port, "pid": os.getpid()}))
+
+    # ------------------------------------------------------------------ processes
+    def _env(self, rank: int, extra: Dict[str, str]) -> Dict[str, str]:
+        env = worker_env(rank, self.spec.world_size, rank % self.spec.nproc_per_node, self.host, self.port)
+        env["LOCAL_WORLD_SIZE"] = str(self.spec.nproc_per_node)
+        env.update(self.cfg.to_env())
+        if not self.cfg.save_dir:
+            env["PITSTOP_SAVE_DIR"] = str(self.run_dir / "checkpoints")
+        env.update({ENV_CONTROLLER: "1", ENV_TOKEN: self.token, "PITSTOP_RUN_DIR": str(self.run_dir),
+                    ENV_EPOCH: str(self.epoch), ENV_GENERATION: str(self.generation)})
+        env.update(self.spec.env)
+        env.update(extra)
+        return env
+
+    def _start_worker(self, rank: int, extra: Optional[Dict[str, str]] = None) -> Proc:
+        name = f"w{rank}" + (f"-e{self.epoch}" if self.epoch else "")
+        p = self.agent.start(name, self.spec.argv, self._env(rank, extra or {}))
+        self.by_pid[p.pid] = p
+        return p
+
+    def _start_standby(self) -> Proc:
+        self.sb_count += 1
+        env = self._env(0, {ENV_STANDBY: "1", "RANK": "-1"})
+        env.pop("PITSTOP_FAULT", None)
+        p = self.agent.start(f"sb{self.sb_count}", self.spec.argv, env)
+        self.by_pid[p.pid] = p
+        return p
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> int:
+        self.events.write("launch", world_size=self.spec.world_size, standby=self.spec.standby,
+                          store=f"{self.host}:{self.port}", argv=self.spec.argv)
+        for r in range(self.spec.world_size):
+            self._start_worker(r)
+        for _ in range(self.spec.standby):
+            self._start_standby()
+        try:
+            while self.exit_code is None:
+                self._admit()
+                for p in self.agent.poll():
+                    self._on_exit(p)
+                self._check_heartbeats()
+                self._check_drain_requests()
+                self._progress()
+                time.sleep(0.01)
+        finally:
+            self.store.set(keys.DONE, "1")
+            time.sleep(0.2)
+            self.agent.close()
+        return self.exit_code
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self) -> None:
+        n = self.store.add(keys.JOIN_COUNT, 0)
+        while self.next_join <= n:
+            i = self.next_join
+            if not self.store.check([keys.join(i, "hello")]):
+                return
+            if not self.store.check([keys.join(i, "nonce")]):
+                self.store.set(keys.join(i, "nonce"), secrets.token_bytes(32))
+            if not self.store.check([keys.join(i, "mac")]):
+                return
+            hello = json.loads(self.store.get(keys.join(i, "hello")))
+            ok = verify(self.token, self.store.get(keys.join(i, "nonce")), str(i), self.store.get(keys.join(i, "mac")).decode())
+            proc = self.by_pid.get(hello["pid"]) if hello.get("host") == socket.gethostname() else None
+            self.next_join += 1
+            if not ok:
+                self.store.set(keys.join(i, "verdict"), "refused: the job token does not match")
+                self.events.write("refused", slot=i, pid=hello["pid"], host=hello["host"], reason="bad job token")
+                continue
+            self.store.set(keys.join(i, "verdict"), "ok")
+            m = Member(i, proc, ProcessInfo(hello["host"], hello["pid"]), hello["standby"])
+            self.members[i] = m
+            if m.standby:
+                self.pool.append(i)
+                if self.roster is not None:
+                    self.roster = Roster(self.roster.generation, self.roster.roles, self.roster.standbys + (m.info,))
+                    self._write_roster()
+            else:
+                self.role_slots[hello["rank"]] = i
+                if len(self.role_slots) == self.spec.world_size and self.roster is None:
+                    self.roster = Roster(
+                        self.generation,
+                        tuple(self.members[self.role_slots[r]].info for r in range(self.spec.world_size)),
+                        tuple(self.members[s].info for s in self.pool),
+                    )
+                    self._write_roster()
+                    self.events.write("roster", generation=self.generation, roles=self.spec.world_size,
+                                      standbys=len(self.pool))
+
+    def _write_roster(self) -> None:
+        text = self.roster.to_json()
+        self.store.set(keys.ROSTER, text)
+        tmp = self.run_dir / (ROSTER + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.run_dir / ROSTER)
+
+    def _slot_of_pid(self, pid: int) -> Optional[int]:
+        for s, m in self.members.items():
+            if m.proc is not None and m.proc.pid == pid:
+                return s
+        return None
+
+    def _role_of_slot(self, slot: int) -> Optional[int]:
+        for r, s in self.role_slots.items():
+            if s == slot:
+                return r
+        return None
+
+    # ------------------------------------------------------------------ exits and hangs
+    def _on_exit(self, p: Proc) -> None:
+        slot = self._slot_of_pid(p.pid)
+        role = self._role_of_slot(slot) if slot is not None else None
+        if slot is not None and slot in self.pool:
+            self.pool.remove(slot)
+            self._drop_standby(slot)
+            self.events.write("standby-lost", slot=slot, pid=p.pid, exit=p.exit, log=self.agent.log_paths(p)["stderr"])
+            if self.exit_code is None:
+                self._start_standby()
+            return
+        if p.pid in self.leavers:
+            self.events.write("leaver-exit", pid=p.pid, exit=p.exit)
+            return
+        if role is None:
+            if p.exit != "0" and slot is None and p.name.startswith("w"):
+                # died before it even joined: nothing to take over from
+                self.events.write("failed", reason=f"{p.name} exited ({p.exit}) before joining", log=self.agent.log_paths(p)["stderr"])
+                print(self.agent.log_tail(p), flush=True)
+                self.exit_code = 1
+            return
+        if p.exit == "0":
+            self.finished.add(role)
+            if len(self.finished) == self.spec.world_size:
+                self.events.write("done", generation=self.roster.generation if self.roster else None)
+                self.exit_code = 0
+            return
+        self._failure(role, p, f"process {p.pid} {p.exit}")
+
+    def _drop_standby(self, slot: int) -> None:
+        if self.roster is not None:
+            info = self.members[slot].info
+            self.roster = Roster(self.roster.generation, self.roster.roles, tuple(s for s in self.roster.standbys if s != info))
+            self._write_roster()
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for m in list(self.members.values()):
+            if m.proc is None or not m.proc.running:
+                continue
+            beats = self.store.add(keys.heartbeat(m.slot), 0)
+            if beats != m.beats:
+                m.beats, m.last_beat = beats, now
+            elif now - m.last_beat > self.cfg.heartbeat_timeout_s:
+                self.events.write("hung", slot=m.slot, pid=m.proc.pid, silent_s=round(now - m.last_beat, 2),
+                                  role=self._role_of_slot(m.slot))
+                self.agent.kill(m.proc, signal.SIGKILL)  # its exit is handled as a failure
+                m.last_beat = now + 3600
+
+    # ------------------------------------------------------------------ unplanned
+    def _failure(self, role: int, p: Proc, reason: str) -> None:
+        t_detect = time.time()
+        g = self.roster.generation
+        fired = float(self.store.get(keys.FAULT_FIRED)) if self.store.check([keys.FAULT_FIRED]) else None
+        self.store.delete_key(keys.FAULT_FIRED)
+        step = self._resolve_step(g, {"role": role, "generation": g + 1})
+        if not self.pool:
+            self._fallback(role, reason, step, t_detect, fired)
+            return
+        slot = self.pool.pop(0)
+        joiner = self.members[slot]
+        fault = {"role": role, "generation": g + 1, "step": step, "joiner": joiner.info.describe()}
+        self.store.set(keys.fault(g), json.dumps(fault))
+        self.store.set(keys.assign(slot), json.dumps({"role": role, "generation": g + 1, "mode": "recover", "step": step}))
+        t_plan = time.time()
+        old = self.roster.roles[role]
+        self.roster = self.roster.replace(role, joiner.info)
+        self.role_slots[role] = slot
+        self._write_roster()
+        self.events.write("failure", role=role, reason=reason, step=step, generation=g,
+                          detect_s=None if fired is None else round(t_detect - fired, 4),
+                          log=self.agent.log_paths(p)["stderr"])
+        self.pending.append({"kind": "unplanned", "role": role, "generation": g + 1, "step": step,
+                             "old": old.describe(), "new": joiner.info.describe(), "fired": fired,
+                             "detected": t_detect, "planned": t_plan, "reason": reason})
+
+    def _resolve_step(self, g: int, fault: Dict[str, Any]) -> int:
+        """The step that the failure discards: the first one without a verdict, settled atomically."""
+        step = self._last_committed() + 1
+        marker = json.dumps({"fault": fault})
+        while True:
+            got = self.store.compare_set(keys.verdict(g, step), "", marker).decode()
+            if got in ("ok", "switch"):
+                step += 1
+                continue
+            return step
+
+    def _last_committed(self) -> int:
+        if not self.store.check([keys.COMMITTED]):
+            return 0
+        return int(self.store.get(keys.COMMITTED).decode().split(":")[1])
+
+    def _fallback(self, role: int, reason: str, step: int, t_detect: float, fired: Optional[float]) -> None:
+        from pitstop.runtime import checkpoint
+
+        g = self.roster.generation
+        save_dir = self.cfg.save_dir or str(self.run_dir / "checkpoints")
+        resume = checkpoint.latest_step(save_dir) if self.cfg.save_interval else None
+        self.events.write("failure", role=role, reason=reason, step=step, generation=g, standbys=0)
+        if resume is None:
+            self.events.write("failed", reason=f"role {role} lost, no standby left and no checkpoint "
+                                                f"(save_interval={self.cfg.save_interval}, dir {save_dir})")
+            self.exit_code = 1
+            return
+        self.events.write("fallback", mode="checkpoint-restart", resume_step=resume, reason="no standby left")
+        self.store.set(keys.fault(g), json.dumps({"fallback": True, "resume_step": resume}))
+        for m in list(self.members.values()):
+            if m.proc is not None and m.proc.running and not m.standby:
+                self.agent.kill(m.proc)
+        deadline = time.monotonic() + 30
+        while any(p.running for p in self.agent.procs.values() if p.name.startswith("w")) and time.monotonic() < deadline:
+            self.agent.poll()
+            time.sleep(0.01)
+        for s in [s for s, m in self.members.items() if not m.standby]:
+            del self.members[s]
+        self.role_slots.clear()
+        self.finished.clear()
+        self.epoch += 1
+        self.generation = g + 1
+        self.roster = None
+        for r in range(self.spec.world_size):
+            self._start_worker(r, {ENV_RESUME: str(resume), "PITSTOP_FAULT": ""})
+        self.pending.append({"kind": "restart", "generation": g + 1, "step": resume + 1, "fired": fired,
+                             "detected": t_detect, "planned": time.time(), "reason": reason, "role": role})
+
+    # ------------------------------------------------------------------ planned
+    def _check_drain_requests(self) -> None:
+        n = self.store.add(keys.DRAIN_REQUEST, 0)
+        while self.drain_seen < n:
+            self.drain_seen += 1
+            req = json.loads(self.store.get(keys.drain_payload(self.drain_seen)))
+            roles = self._roles_for(req)
+            self.events.write("drain-request", request=req, roles=roles)
+            self.drain_queue.extend(roles)
+        if self.draining is None and self.drain_queue and self.roster is not None and not self.pending:
+            self._start_drain(self.drain_queue.pop(0))
+        if self.draining is not None:
+            self._drain_progress()
+
+    def _roles_for(self, req: Dict[str, Any]) -> List[int]:
+        if req.get("rank") is not None:
+            r = int(req["rank"])
+            if not 0 <= r < self.spec.world_size:
+                self.events.write("drain-refused", reason=f"rank {r} does not exist (world {self.spec.world_size})")
+                return []
+            return [r]
+        host = req.get("host")
+        roles = [r for r, p in enumerate(self.roster.roles)] if self.roster else []
+        roles = [r for r in roles if self.roster.roles[r].host == host]
+        if not roles:
+            self.events.write("drain-refused", reason=f"no role runs on host {host!r}")
+        return roles
+
+    def _start_drain(self, role: int) -> None:
+        if not self.pool:
+            self.events.write("drain-refused", role=role, reason="no standby left to take the role")
+            return
+        g = self.roster.generation
+        slot = self.pool.pop(0)
+        joiner = self.members[slot]
+        self.store.set(keys.drain(g), json.dumps({"role": role, "generation": g + 1, "joiner": joiner.info.describe()}))
+        self.store.set(keys.assign(slot), json.dumps({"role": role, "generation": g + 1, "mode": "drain", "from_generation": g}))
+        leaver_slot = self.role_slots[role]
+        self.draining = {"role": role, "gen": g, "slot": slot, "leaver": leaver_slot, "t0": time.time(),
+                         "old": self.roster.roles[role].describe(), "new": joiner.info.describe()}
+        self.events.write("drain-prepare", role=role, generation=g, joiner=joiner.info.describe())
+
+    def _drain_progress(self) -> None:
+        d = self.draining
+        g = d["gen"]
+        if "ready" not in d and self.store.check([keys.drain_ready(g)]):
+            d["ready"] = time.time()
+            self.events.write("drain-ready", role=d["role"], prepare_s=round(d["ready"] - d["t0"], 4))
+        if self.store.check([keys.drain_switch(g)]):
+            step_s, t_switch = self.store.get(keys.drain_switch(g)).decode().split(":")
+            leaver = self.members[d["leaver"]]
+            if leaver.proc is not None:
+                self.leavers.add(leaver.proc.pid)
+            joiner = self.members[d["slot"]]
+            self.roster = self.roster.replace(d["role"], joiner.info)
+            self.role_slots[d["role"]] = d["slot"]
+            self._write_roster()
+            self.pending.append({"kind": "planned", "role": d["role"], "generation": g + 1, "step": int(step_s) + 1,
+                                 "old": d["old"], "new": d["new"], "requested": d["t0"], "ready_at": d.get("ready"),
+                                 "switch_at": float(t_switch)})
+            self.draining = None
+
+    # ------------------------------------------------------------------ completing events
+    def _progress(self) -> None:
+        if not self.pending or not self.store.check([keys.COMMITTED]):
+            return
+        gen, step, t = self.store.get(keys.COMMITTED).decode().split(":")
+        for ch in list(self.pending):
+            if int(gen) >= ch["generation"] and int(step) >= ch["step"]:
+                self.pending.remove(ch)
+                self._complete(ch, float(t))
+
+    def _complete(self, ch: Dict[str, Any], t_commit: float) -> None:
+        g = ch["generation"]
+        timings = {}
+        for r in range(self.spec.world_size):
+            k = keys.timing(g, f"r{r}")
+            if self.store.check([k]):
+                timings[f"r{r}"] = json.loads(self.store.get(k))
+        for who in ("joiner", "leaver"):
+            if self.store.check([keys.timing(g, who)]):
+                timings[who] = json.loads(self.store.get(keys.timing(g, who)))
+        stayers = [v for k, v in timings.items() if k.startswith("r")]
+        ready = max([v.get("ready", 0) for v in timings.values()] or [t_commit])
+        ev: Dict[str, Any] = {"role": ch.get("role"), "generation": g, "step": ch["step"],
+                              "old": ch.get("old"), "new": ch.get("new")}
+        if ch["kind"] == "unplanned":
+            start = ch["fired"] or ch["detected"]
+            ev.update(
+                detect_s=None if ch["fired"] is None else round(ch["detected"] - ch["fired"], 4),
+                plan_s=round(ch["planned"] - ch["detected"], 4),
+                groups_s=round(max([v.get("groups_s", 0) for v in stayers] or [0]), 4),
+                state_s=round(max([v.get("state_s", 0) for v in stayers] + [timings.get("joiner", {}).get("state_s", 0)]), 4),
+                first_step_s=round(t_commit - ready, 4),
+                downtime_s=round(t_commit - start, 4),
+                rebuilt=max([v.get("rebuilt", 0) for v in stayers] or [0]),
+                ranks_rebuilding=sum(1 for v in stayers if v.get("groups_s", 0) and v.get("rebuilt")),
+                reason=ch["reason"],
+            )
+            self.events.write("replaced", **ev)
+        elif ch["kind"] == "planned":
+            j = timings.get("joiner", {})
+            ev.update(
+                prepare_s=None if ch.get("ready_at") is None else round(ch["ready_at"] - ch["requested"], 4),
+                pause_s=j.get("pause_s"),
+                groups_s=round(max([v.get("switch_s", 0) for v in stayers] or [0]), 4),
+                state_s=j.get("recv_s"),
+                first_step_s=round(t_commit - ready, 4),
+            )
+            self.events.write("drained", **ev)
+        else:
+            start = ch["fired"] or ch["detected"]
+            ev.update(downtime_s=round(t_commit - start, 4), reason=ch["reason"])
+            self.events.write("restarted", **ev)
+
+
+def request_drain(run_dir: Path, rank: Optional[int] = None, host: Optional[str] = None) -> int:
+    """Ask the controller of ``run_dir`` to drain a rank or every rank on a host; returns the request number."""
+    info_path = Path(run_dir) / CONTROLLER
+    if not info_path.exists():
+        raise PitstopError(f"no controller found: {info_path} does not exist (is the job running with --run-dir {run_dir}?)")
+    info = json.loads(info_path.read_text())
+    from datetime import timedelta
+
+    store = dist.TCPStore(info["host"], info["port"], is_master=False, timeout=timedelta(seconds=10))
+    n = store.add(keys.DRAIN_REQUEST + "/n", 1)
+    store.set(keys.drain_payload(n), json.dumps({"rank": rank, "host": host}))
+    store.add(keys.DRAIN_REQUEST, 1)
+    return n
