@@ -20,6 +20,8 @@ Two Python process groups live here:
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence
 
@@ -107,9 +109,19 @@ def register_python_group(pg: dist.ProcessGroup, name: str, ranks: Sequence[int]
     )
 
 
+#: Broken groups whose operations may still be pending in their worker threads:
+#: kept alive (never destroyed, whose join would block) until the process exits.
+GRAVEYARD: List[dist.ProcessGroup] = []
+
+
 def destroy(pg: dist.ProcessGroup) -> None:
     """Destroy one group; the rest of the process's groups stay usable."""
     raw = getattr(pg, "raw", None)
+    if isinstance(pg, GuardedGroup) and pg.broken:
+        if pg in c10d._world.pg_map:
+            dist.destroy_process_group(pg)  # the Python wrapper: unregistered, nothing to join
+        GRAVEYARD.append(raw)
+        return
     if pg in c10d._world.pg_map:
         dist.destroy_process_group(pg)
     if raw is not None and raw in c10d._world.pg_map:
@@ -358,33 +370,38 @@ class Fence:
     closed by peer") or NCCL. Unwinding the stack there would strand every *other*
     stayer that waits for this one in a group that did not lose anyone. So while
     a training step runs the fence is armed: a failed operation marks its group
-    broken, aborts it (which closes its connections, so its other members fail
-    fast too), and completes with whatever is in the output buffers. The step goes
-    on with garbage through the groups that are still whole, every stayer reaches
-    the iteration boundary, and the runtime throws the step away there::
+    broken and completes with whatever is in the output buffers; a member blocked
+    on a live peer of a broken group gives up as soon as the group is marked broken
+    (by its own error, or by the runtime when the controller announces the fault).
+    The step goes on with garbage through the groups that are still whole, every
+    stayer reaches the iteration boundary, and the runtime throws the step away::
 
-        rank 5 dies       tp-pp [0,1,4,5]: 4 errors -> abort -> 0, 1 error -> abort
-                          dp [5,7]:        7 errors -> abort
+        rank 5 dies       tp-pp [0,1,4,5]: 4 errors -> broken;  0, 1: broken by the announcement
+                          dp [5,7]:        7 errors -> broken
         kept groups       tp [2,3], dp [0,2], ...: complete normally (garbage in, garbage out)
         boundary          every stayer arrives; the step is discarded and redone
+
+    (gloo's ``abort()`` does not close a group's connections, so a live member
+    cannot be woken through the group itself: waits poll the broken mark instead.)
     """
 
     def __init__(self) -> None:
         self.armed = False
+        self.local = False
+        """A joiner building its role: every operation completes locally, nothing is sent
+        (Megatron's model set-up all-reduces the tied embeddings, which the stayers do not
+        repeat; the joiner's values are replaced by the real state anyway)."""
         self.errors: List[str] = []
         """What failed in the current step, one line per failure."""
         self.broken: Dict[str, "GuardedGroup"] = {}
 
     @property
     def poisoned(self) -> bool:
-        return bool(self.errors)
+        return bool(self.errors) or bool(self.broken)
 
     def trip(self, group: "GuardedGroup", what: str, exc: BaseException) -> None:
-        first = group.group_name not in self.broken
         self.broken[group.group_name] = group
         self.errors.append(f"{what} on {group.group_name}: {str(exc).splitlines()[0][:200]}")
-        if first:
-            group.abort_inner()
 
     def reset(self) -> None:
         self.errors.clear()
@@ -393,6 +410,18 @@ class Fence:
 
 #: The process's fence. One per process: a step is poisoned as a whole.
 FENCE = Fence()
+
+
+_P2P = ("send", "recv", "recv_anysource")
+
+
+def _wait_into(work: dist._Work, done: threading.Event, box: dict) -> None:
+    try:
+        work.wait()
+    except Exception as exc:  # noqa: BLE001
+        box["error"] = exc
+    finally:
+        done.set()
 
 
 class GuardedWork(dist._Work):
@@ -406,18 +435,41 @@ class GuardedWork(dist._Work):
         self._what = what
         self._result = result or []
 
+    #: How often a blocked wait looks at its group's broken mark.
+    POLL = timedelta(milliseconds=50)
+
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._inner is None:
             return True
         inner, self._inner = self._inner, None
-        try:
-            if timeout is None:
-                inner.wait()
+        # c10d passes timedelta(0) for "no timeout" (kNoTimeout)
+        deadline = None if not timeout else time.monotonic() + timeout.total_seconds()
+        p2p = self._what in _P2P
+        if p2p:
+            # gloo ends a send/recv whose timed wait expires, so wait in a helper thread
+            done, box = threading.Event(), {}
+            threading.Thread(target=_wait_into, args=(inner, done, box), daemon=True).start()
+        while True:
+            if p2p:
+                if done.wait(self.POLL.total_seconds()):
+                    if "error" in box:
+                        self._group.failed(self._what, box["error"])
+                    return True
             else:
-                inner.wait(timeout)
-        except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise plain RuntimeError
-            self._group.failed(self._what, exc)
-        return True
+                try:
+                    inner.wait(self.POLL)  # c10d: raises "timed out" but leaves the operation running
+                    return True
+                except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise plain RuntimeError
+                    if inner.is_completed() or "timed out" not in str(exc).lower():
+                        self._group.failed(self._what, exc)
+                        return True
+            if self._group.broken and self._group.fence.armed:
+                # a peer of this group died: give up on it; the operation stays pending
+                # in the retired group, which is never waited on again
+                self._group.fence.errors.append(f"{self._what} on {self._group.group_name}: abandoned")
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                raise GroupError(f"{self._what} on group {self._group.group_name} timed out after {timeout}")
 
     def is_completed(self) -> bool:
         return self._inner is None or self._inner.is_completed()
@@ -471,14 +523,10 @@ class GuardedGroup(dist.ProcessGroup):
     def broken(self) -> bool:
         return self._name in self.fence.broken or self._aborted
 
-    def abort_inner(self) -> None:
-        """Close this group's connections so its other members fail fast too."""
-        if not self._aborted:
-            self._aborted = True
-            try:
-                self.inner.abort()
-            except Exception:  # noqa: BLE001 - best effort; the group is discarded anyway
-                pass
+    def mark_broken(self) -> None:
+        """Waits on this group give up (see :class:`Fence`); set when its fault is announced."""
+        self._aborted = True
+        self.fence.broken[self._name] = self
 
     def failed(self, what: str, exc: BaseException) -> None:
         if not self.fence.armed:
@@ -486,7 +534,7 @@ class GuardedGroup(dist.ProcessGroup):
         self.fence.trip(self, what, exc)
 
     def _call(self, what: str, args, kwargs):
-        if self.broken and self.fence.armed:
+        if self.fence.local or (self.broken and self.fence.armed):
             return GuardedWork(None, self, what)
         try:
             work = getattr(self.inner, what)(*args, **kwargs)

@@ -30,6 +30,7 @@ import importlib
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 import time
@@ -57,10 +58,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: What Megatron-LM writes by default for the distributed optimizer with ``torch_dist``:
-#: each rank saves its own DP shard of the optimizer buckets, no gather, no resharding
-#: beyond DP. ``"fully_sharded_model_space"`` (reshardable in TP/PP too) also works.
+#: each rank saves its own DP shard of the optimizer buckets, no gather; reshardable in DP
+#: only. ``"fully_reshardable"`` (gathered on DP rank 0, reshardable in TP/PP too) needs
+#: CUDA in 0.16 (``.cuda()`` in ``get_parameter_state_dp_zero``); 0.16 itself refuses
+#: ``"fully_sharded_model_space"`` ("ShardedTensor.flattened_range is not supported").
 DEFAULT_SHARDING_TYPE = "dp_reshardable"
-SHARDING_TYPES = ("dp_reshardable", "fully_sharded_model_space", "fully_reshardable")
+SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
 
 LATEST = "latest"
 META = "pitstop.json"
@@ -137,13 +140,42 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _compat_patches():
+def _write_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+    """``FileSystemWriterAsync.write_preloaded_data_multiproc`` without the processes.
+
+    Same arguments, same per-file writer (``write_preloaded_data``, with fsync), same
+    result format; the files are written one after the other by this process.
+    """
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    results: dict = {}
+    local: "queue.Queue" = queue.Queue()
+    for i, bucket in enumerate(write_buckets):
+        local.put(i)  # the count token write_preloaded_data takes back when done
+        kwargs = {"use_msc": use_msc} if use_msc else {}
+        FileSystemWriterAsync.write_preloaded_data(
+            transform_list, i, bucket, local, local, use_fsync=True, **kwargs
+        )
+        idx, out = local.get_nowait()
+        if isinstance(out, Exception):
+            global_results_queue.put(out)
+            return
+        results[idx] = out
+    global_results_queue.put(results)
+
+
+def _compat_patches(in_process_writes: bool):
     """What dist_checkpointing needs that this machine lacks, redirected like pitstop.patches.megatron_cpu.
 
     * Without CUDA: three ``torch.cuda`` calls on the save/load path.
-    * Without psutil: the torch_dist writer's forked write processes call
-      ``_process_memory()`` (psutil) for a debug log line; a child that raises there never
-      signals its parent, which then waits forever. It gets an RSS from /proc instead.
+    * Without psutil: the torch_dist file writer calls ``_process_memory()`` (psutil) for a
+      debug log line; in a forked writer that raises there, the parent waits forever.
+      It gets the RSS from /proc instead.
+    * ``in_process_writes``: the torch_dist writer forks one process per file and
+      collects their results through a spawn-started ``multiprocessing`` Manager, one
+      per rank, which imports torch the first time it unpickles a result (about 25 s of
+      the first save at world 8 on a 2-core host). These write the same files from this
+      process instead.
 
     Kept here until they join ``megatron_cpu.PATCHES``; applied only around a save/load.
     """
@@ -184,26 +216,47 @@ def _compat_patches():
             requires=REQUIRES,
             source_contains=("psutil.Process(os.getpid())",),
         ))
-    return PatchSet("checkpoint_compat", patches)
+    if in_process_writes:
+        patches += [
+            Patch(
+                name="checkpoint_compat.filesystem_async._get_write_results_queue",
+                module=fs_async,
+                attr="_get_write_results_queue",
+                replacement=lambda original: queue.Queue,
+                params=(),
+                requires=REQUIRES,
+                source_contains=('ctx = mp.get_context("spawn")',),
+            ),
+            Patch(
+                name="checkpoint_compat.FileSystemWriterAsync.write_preloaded_data_multiproc",
+                module=fs_async,
+                attr="FileSystemWriterAsync.write_preloaded_data_multiproc",
+                replacement=lambda original: _write_in_process,
+                params=("transform_list", "use_msc", "rank", "write_buckets", "global_results_queue"),
+                requires=REQUIRES,
+                source_contains=("count_queue.put(i)", '"use_fsync": True'),
+            ),
+        ]
+    return PatchSet(f"checkpoint_compat{'_inproc' if in_process_writes else ''}", patches)
 
 
-_COMPAT = None
+_COMPAT: dict = {}
 
 
 @contextlib.contextmanager
-def _compat() -> Iterator[None]:
+def _compat(in_process_writes: bool = True) -> Iterator[None]:
     """Apply :func:`_compat_patches` for the duration of one save or load."""
-    global _COMPAT
-    if _COMPAT is None:
-        _COMPAT = _compat_patches()
-    if _COMPAT.applied or not _COMPAT.patches:  # re-entered, or nothing to do
+    if in_process_writes not in _COMPAT:
+        _COMPAT[in_process_writes] = _compat_patches(in_process_writes)
+    patches = _COMPAT[in_process_writes]
+    if any(p.applied for p in _COMPAT.values()) or not patches.patches:  # re-entered / nothing to do
         yield
         return
-    _COMPAT.apply()
+    patches.apply()
     try:
         yield
     finally:
-        _COMPAT.revert()
+        patches.revert()
 
 
 # ------------------------------------------------------------------ state dicts
@@ -223,7 +276,10 @@ def _layout() -> dict:
 def _sharded_state_dict(model: list, optimizer, metadata: dict, is_loading: bool) -> dict:
     """{"model"[i]: chunk sharded state dict, "optimizer": ...} as Megatron-LM builds it."""
     from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
 
+    # Unwrapped (no DDP "module." prefix): the keys Megatron-LM checkpoints use.
+    model = unwrap_model(list(model))
     sd: dict[str, Any] = {}
     if len(model) == 1:
         sd["model"] = model[0].sharded_state_dict(metadata=metadata)
@@ -233,8 +289,55 @@ def _sharded_state_dict(model: list, optimizer, metadata: dict, is_loading: bool
             sd[f"model{i}"] = chunk.sharded_state_dict(metadata=metadata)
         ps.set_virtual_pipeline_model_parallel_rank(0)
     if optimizer is not None:
+        if is_loading:
+            _init_optimizer_state(optimizer)
         sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
     return sd
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give an optimizer that never stepped the state its first step would create.
+
+    Megatron 0.16's ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` reads the
+    inner optimizer's state, and with torch's Adam (no Apex/TE) asserts one ``step`` in
+    it, which torch only creates on the first step: loading into a fresh process fails
+    with a bare ``AssertionError``. This runs Megatron's own ``init_state_fn`` (zeroed
+    moments) and adds torch's ``step`` (0); the load then overwrites all of it.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        init = getattr(opt, "init_state_fn", None)
+        if inner is None or init is None or len(inner.state) > 0:
+            continue
+        init(inner, opt.config)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
+def _restore_torch_adam_step(optimizer) -> None:
+    """Put the checkpoint's step back into torch Adam's per-parameter ``step``, one tensor each.
+
+    With torch's Adam (no Apex/TE) Megatron 0.16 keeps the step in each parameter's
+    state and in the saved ``param_groups``. Its ``dp_reshardable`` loader first sets
+    one shared ``step`` tensor from ``param_groups`` for every parameter, then copies
+    the *pre-load* step (a ``LocalNonpersistentObject``) over it: a resumed run
+    would restart Adam's bias correction at the loading process's step (0 in a fresh
+    one), and a shared tensor would be incremented once per parameter per step.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                st = inner.state.get(p)
+                if st and "step" in st:
+                    old = st["step"]
+                    st["step"] = torch.tensor(float(group["step"]), dtype=old.dtype, device=old.device)
 
 
 def _rng_state() -> dict:
@@ -314,7 +417,10 @@ def save(
     from megatron.core import dist_checkpointing
 
     if sharding_type not in SHARDING_TYPES:
-        raise CheckpointError(f"sharding_type {sharding_type!r} is not one of {SHARDING_TYPES}")
+        raise CheckpointError(f"save to {ckpt_dir}: sharding_type {sharding_type!r} is not one of {SHARDING_TYPES}")
+    if sharding_type == "fully_reshardable" and not torch.cuda.is_available():
+        raise CheckpointError(f"save to {ckpt_dir}: sharding_type 'fully_reshardable' needs CUDA in "
+                              "megatron-core 0.16; use 'dp_reshardable' on CPU")
     t0 = time.perf_counter()
     ckpt_dir = Path(ckpt_dir)
     rank = dist.get_rank()
@@ -348,10 +454,13 @@ def save(
 
     metadata = {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True}
     torch.save(_rng_state(), _rng_file(tmp, rank))
+    t1 = time.perf_counter()
     with _compat():
         sd = _sharded_state_dict(model, optimizer, metadata, is_loading=False)
+        t2 = time.perf_counter()
         # Ends with a world barrier after rank 0 wrote metadata.json: every rank is done.
         dist_checkpointing.save(sd, str(tmp), content_metadata=metadata)
+    t3 = time.perf_counter()
 
     if rank == 0:
         try:
@@ -373,7 +482,9 @@ def save(
     _agree(err is None, f"committing {final}")
     if err is not None:
         raise CheckpointError(f"cannot commit checkpoint {final}: {err}") from err
-    log.info("saved %s in %.2fs", final, time.perf_counter() - t0)
+    log.info("saved %s in %.2fs (prepare %.2fs, state dicts %.2fs, dist_checkpointing.save %.2fs, "
+             "commit %.2fs)", final, time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2,
+             time.perf_counter() - t3)
     return final
 
 
@@ -394,6 +505,7 @@ def load(
     bitwise identical to one that never stopped. Returns the step loaded.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
 
     t0 = time.perf_counter()
     step = _resolve_step(ckpt_dir, step)
@@ -420,13 +532,19 @@ def load(
             state = dist_checkpointing.load(sd, str(path))
         except Exception as exc:  # noqa: BLE001 - DCP wraps per-rank failures in its own type
             raise CheckpointError(f"loading {path} failed on rank {dist.get_rank()}: {exc}") from exc
-        if len(model) == 1:
-            model[0].load_state_dict(state["model"], strict=True)
+        chunks = unwrap_model(list(model))
+        if len(chunks) == 1:
+            chunks[0].load_state_dict(state["model"], strict=True)
         else:
-            for i, chunk in enumerate(model):
+            for i, chunk in enumerate(chunks):
                 chunk.load_state_dict(state[f"model{i}"], strict=True)
         if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
+            # no_grad: with fp32 params the main params are views of the model's leaf params,
+            # and Megatron's dp_reshardable loader (unlike the model-space one) copies into
+            # them without it ("a view of a leaf Variable ... in-place operation").
+            with torch.no_grad():
+                optimizer.load_state_dict(state["optimizer"])
+            _restore_torch_adam_step(optimizer)
 
     if rng:
         if same_layout:

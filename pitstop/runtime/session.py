@@ -218,7 +218,7 @@ class Session:
         if self._aborted_gen < gen and st.check([keys.fault(gen)]):
             info = json.loads(st.get(keys.fault(gen)))
             if info.get("role") is not None:
-                self._abort_delta(gen, info["role"])
+                self._abandon_delta(gen, info["role"])
         if self._drain is None and st.check([keys.drain(gen)]):
             info = json.loads(st.get(keys.drain(gen)))
             self._drain = {"info": info, "gen": gen}
@@ -226,9 +226,9 @@ class Session:
             self._drain["thread"] = t
             t.start()
 
-    def _abort_delta(self, gen: int, role: int) -> None:
-        """Fail fast: abort this rank's groups that hold the failed role, so a collective
-        blocked on them returns now rather than at the timeout."""
+    def _abandon_delta(self, gen: int, role: int) -> None:
+        """Fail fast: mark this rank's groups that hold the failed role broken, so a
+        collective blocked on them returns now rather than at the timeout."""
         if not self._lock.acquire(blocking=False):  # recovery runs: it owns the groups now
             return
         try:
@@ -241,8 +241,7 @@ class Session:
         finally:
             self._lock.release()
         for g in groups:
-            self.fence.broken[g.group_name] = g
-            g.abort_inner()
+            g.mark_broken()
 
     # ------------------------------------------------------------------ unplanned: recovery
     def _wait_fault(self) -> dict:
@@ -392,6 +391,7 @@ class Session:
         """A joiner for a failed role: shard from the buddy, parameters from the all-gather."""
         a = self.m.assignment
         role, step = self.rank, int(a["step"])
+        self.fence.local = False
         t0 = time.perf_counter()
         ranks, group = self._shard_group()
         nxt, prv = self._ring(ranks, role)
@@ -412,6 +412,7 @@ class Session:
         """A joiner for a draining role: phase 1 done (groups, model), wait for the switch, take the state."""
         a = self.m.assignment
         old_gen = int(a["from_generation"])
+        self.fence.local = False
         pair = _handoff_pair(old_gen, 1, self.cfg)
         plan = plan_replace(self.layout, (self.rank,), old_gen, old_gen + 1)
         st = self.store

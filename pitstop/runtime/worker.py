@@ -178,7 +178,12 @@ def join() -> Membership:
         assignment = {}
         role, gen = int(os.environ["RANK"]), int(os.environ.get(ENV_GENERATION, 0))
         mode = "restart" if os.environ.get(ENV_RESUME) else "worker"
-    init_world(store, role, world, timeout, epoch=epoch, detached=mode in ("recover", "drain"))
+    joiner = mode in ("recover", "drain")
+    init_world(store, role, world, timeout, epoch=epoch, detached=joiner)
+    if joiner:  # builds its role without talking to anyone until the session takes its state
+        from pitstop.pg import FENCE
+
+        FENCE.local = True
     _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb)
     return _CURRENT
 

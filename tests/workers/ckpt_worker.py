@@ -14,6 +14,7 @@ import argparse
 import faulthandler
 import importlib.util
 import json
+import os
 import signal
 import sys
 import time
@@ -83,6 +84,24 @@ def _world_gather_scatter() -> None:
     )
 
 
+def _opt_digest(optimizer) -> list:
+    """Per parameter of the inner optimizer: step and a hash of each state tensor (debugging)."""
+    import hashlib
+
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for gi, group in enumerate(inner.param_groups):
+            for p in group["params"]:
+                st = inner.state.get(p, {})
+                row = [gi, hashlib.sha1(p.detach().numpy().tobytes()).hexdigest()[:8]]
+                for k in sorted(st):
+                    v = st[k]
+                    row.append((k, float(v) if v.numel() == 1 else hashlib.sha1(v.numpy().tobytes()).hexdigest()[:8]))
+                out.append(row)
+    return out
+
+
 def main() -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack to stderr
     p = argparse.ArgumentParser()
@@ -94,6 +113,11 @@ def main() -> int:
     p.add_argument("--sharding-type", default=None)
     p.add_argument("--no-world-shim", action="store_true", help="use pitstop.pg's world group as it is")
     own, rest = p.parse_known_args()
+    if os.environ.get("PITSTOP_CKPT_DEBUG"):
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("megatron.core.dist_checkpointing").setLevel(logging.DEBUG)
 
     tg = _import_train_gpt()
     args = tg.parse_args(rest)
@@ -106,8 +130,6 @@ def main() -> int:
         _world_gather_scatter()
 
     import torch.distributed as dist
-
-    from megatron.core import parallel_state as ps
 
     from pitstop.runtime import checkpoint
 
@@ -122,18 +144,26 @@ def main() -> int:
     rec: dict = {"rank": rank, "steps": {}}
     start = 0
     if own.resume:
+        start = checkpoint.latest_step(own.ckpt_dir)
+        if start is None:
+            raise SystemExit(f"--resume: no checkpoint in {own.ckpt_dir}")
+
+    # The data of the whole schedule (as an uninterrupted run builds it), entered at the
+    # sample this run starts from. Built before the load, as in the uninterrupted run it is
+    # built before step 1: making the loader's iterator draws from torch's default
+    # generator, which on CPU is also the generator of dropout (Megatron's "CUDA" RNG).
+    global_batch = tg.global_batch_size(args)
+    dataset = tg.build_dataset(args, global_batch * args.steps)
+    data = tg.build_data_iterator(args, start * global_batch, dataset)
+
+    if own.resume:
         dist.barrier()
         t = time.perf_counter()
-        start = checkpoint.load(own.ckpt_dir, model, optimizer)
+        checkpoint.load(own.ckpt_dir, model, optimizer, start)
         rec["load_s"] = time.perf_counter() - t
         rec["extra"] = checkpoint.read_meta(own.ckpt_dir, start)["extra"]
-
-    global_batch = args.micro_batch_size * args.num_microbatches * ps.get_data_parallel_world_size()
-    # The data of the whole schedule, entered at the sample this run starts from.
-    full_steps = args.steps
-    args.steps = full_steps - start
-    data = tg.build_data_iterator(args, consumed_samples=start * global_batch)
-    args.steps = full_steps
+        if os.environ.get("PITSTOP_CKPT_DEBUG"):
+            rec["opt_digest"] = _opt_digest(optimizer)
 
     for step in range(start + 1, stop + 1):
         out = tg.train_step(args, model, optimizer, data)
@@ -146,6 +176,8 @@ def main() -> int:
             checkpoint.save(own.ckpt_dir, step, model, optimizer,
                             extra={"consumed_samples": step * global_batch}, **kw)
             rec["save_s"] = time.perf_counter() - t
+            if os.environ.get("PITSTOP_CKPT_DEBUG"):
+                rec["opt_digest"] = _opt_digest(optimizer)
 
     rec["param_sha256"] = tg.param_checksum(model)
     rec["last_step"] = stop
