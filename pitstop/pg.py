@@ -165,8 +165,8 @@ class StoreWorldGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._seq = 0
         self.detached = False
-        """A joiner builds its model before it is in step with the world: its world
-        barriers complete locally until :meth:`attach`; other world collectives raise."""
+        """A joiner builds its model before it is in step with the world: until
+        :meth:`attach` its world operations are answered from rank 0's record."""
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return WORLD_BACKEND
@@ -183,13 +183,33 @@ class StoreWorldGroup(dist.ProcessGroup):
 
     # --- helpers -------------------------------------------------------------
     def _next(self) -> str:
-        if self.detached:
-            raise GroupError(
-                f"world collective on rank {self.rank()} before it joined the world's operation "
-                "stream: a joiner may only use world barriers while it builds its role"
-            )
         self._seq += 1
         return f"op{self._seq}"
+
+    # A joiner repeats the set-up of its role (model, optimizer, data) alone, and the
+    # set-up does world collectives (Megatron's optimizer all-gathers its param-group
+    # keys). World rank 0 records every collective's result under ``rec/op<n>``; a
+    # detached joiner replays its own n-th operation from that record.
+    def _record(self, op: str, outs: List[torch.Tensor]) -> None:
+        if self.rank() == 0:
+            self._store.set(f"rec/{op}", b"".join(o.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() for o in outs))
+
+    def _replay(self, outs: List[torch.Tensor]) -> DoneWork:
+        op = self._next()
+        self._wait_keys([f"rec/{op}"])
+        raw = bytearray(self._store.get(f"rec/{op}"))
+        need = sum(o.numel() * o.element_size() for o in outs)
+        if len(raw) != need:
+            raise GroupError(
+                f"world operation {op} on a joiner: the record holds {len(raw)} bytes, this process "
+                f"expects {need}: its set-up differs from the original process's"
+            )
+        off = 0
+        for o in outs:
+            n = o.numel() * o.element_size()
+            o.copy_(torch.frombuffer(raw, dtype=torch.uint8, count=n, offset=off).view(o.dtype).view(o.shape))
+            off += n
+        return DoneWork(list(outs))
 
     def _wait_keys(self, keys: List[str]) -> None:
         try:
@@ -218,6 +238,7 @@ class StoreWorldGroup(dist.ProcessGroup):
     # --- collectives -----------------------------------------------------------
     def barrier(self, opts=None):  # noqa: ARG002
         if self.detached:
+            self._next()
             return DoneWork()
         op = self._next()
         if self._store.add(f"{op}/n", 1) == self.size():
@@ -229,39 +250,54 @@ class StoreWorldGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for t in tensors:
+            if self.detached:
+                self._replay([t])
+                continue
             op = self._next()
             parts = self._exchange(op, t)
             acc = parts[0].clone()
             for p in parts[1:]:
                 acc = _reduce(reduce_op, acc, p)
             t.copy_(acc)
+            self._record(op, [t])
             self._finish(op, [f"{op}/{r}" for r in range(self.size())])
         return DoneWork(list(tensors))
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
+            if self.detached:
+                self._replay([t])
+                continue
             op = self._next()
             if self.rank() == root:
                 self._store.set(f"{op}/root", t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             self._wait_keys([f"{op}/root"])
             raw = bytearray(self._store.get(f"{op}/root"))
             t.copy_(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
+            self._record(op, [t])
             self._finish(op, [f"{op}/root"])
         return DoneWork(list(tensors))
 
     def allgather(self, output_tensors, input_tensors, opts=None):  # noqa: ARG002
         for outs, t in zip(output_tensors, input_tensors):
+            if self.detached:
+                self._replay(list(outs))
+                continue
             op = self._next()
             for o, p in zip(outs, self._exchange(op, t)):
                 o.copy_(p)
+            self._record(op, list(outs))
             self._finish(op, [f"{op}/{r}" for r in range(self.size())])
         return DoneWork([o for outs in output_tensors for o in outs])
 
     def _allgather_base(self, output, input, opts=None):  # noqa: A002, ARG002
+        if self.detached:
+            return self._replay([output])
         op = self._next()
         parts = self._exchange(op, input)
         output.copy_(torch.cat([p.reshape(-1) for p in parts]).view(output.shape))
+        self._record(op, [output])
         self._finish(op, [f"{op}/{r}" for r in range(self.size())])
         return DoneWork([output])
 
@@ -460,9 +496,10 @@ class GuardedWork(dist._Work):
                     inner.wait(self.POLL)  # c10d: raises "timed out" but leaves the operation running
                     return True
                 except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise plain RuntimeError
-                    if inner.is_completed() or "timed out" not in str(exc).lower():
+                    if "operation timed out" not in str(exc).lower():
                         self._group.failed(self._what, exc)
                         return True
+                    # (it may complete right after the timeout: the next wait says so)
             if self._group.broken and self._group.fence.armed:
                 # a peer of this group died: give up on it; the operation stays pending
                 # in the retired group, which is never waited on again

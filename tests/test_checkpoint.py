@@ -12,6 +12,7 @@ C's per-step losses and final per-rank parameter checksums equal A's bitwise.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -80,11 +81,16 @@ def test_missing_checkpoint_errors_name_the_directory(tmp_path):
     from pitstop.runtime import checkpoint
 
     assert checkpoint.latest_step(tmp_path) is None
-    with pytest.raises(checkpoint.CheckpointNotFoundError, match=str(tmp_path)):
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match=re.escape(str(tmp_path / "latest"))):
+        checkpoint.load(tmp_path, [], None)
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match=re.escape(str(tmp_path))):
         checkpoint.read_meta(tmp_path)
     (tmp_path / "latest").write_text("garbage\n")
     with pytest.raises(checkpoint.CheckpointError, match="expected a step number"):
         checkpoint.latest_step(tmp_path)
     (tmp_path / "latest").write_text("7\n")
-    with pytest.raises(checkpoint.CheckpointNotFoundError, match="iter_0000007"):
+    (tmp_path / "iter_0000007").mkdir()  # a save that died before dist_checkpointing finished
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match="iter_0000007 is missing or incomplete"):
+        checkpoint.load(tmp_path, [], None)
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match="iter_0000007 has no pitstop.json"):
         checkpoint.read_meta(tmp_path)

@@ -18,9 +18,19 @@ On disk::
         rng/rank_00005.pt     python, numpy, torch, CUDA and Megatron RNG-tracker states
 
 A checkpoint counts only once ``latest`` names it, so a save that dies half way never
-shadows the previous one. Every function here is collective over the world group;
+shadows the previous one. ``save`` and ``load`` are collective over the world group;
 dist_checkpointing's planning uses world ``gather_object`` and ``scatter_object_list``,
 so the world group must implement ``gather`` and ``scatter``.
+
+Gaps of megatron-core 0.16 bridged here (each where it is used):
+
+* CUDA-only calls on the save/load path, and psutil, which the torch_dist writer needs
+  but megatron-core does not declare (:func:`_compat_patches`, applied only around a call);
+* with torch's Adam (no Apex/TE): a distributed optimizer that never stepped cannot build
+  its loading state dict (:func:`_init_optimizer_state`), and ``dp_reshardable`` loads
+  Adam's ``step`` as the loading process's own (:func:`_restore_torch_adam_step`);
+* with fp32 params its ``dp_reshardable`` loader copies into leaf views outside
+  ``no_grad`` (wrapped in :func:`load`).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from pitstop.errors import PitstopError
 
@@ -388,6 +399,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _check_world_group(where: Path) -> None:
+    """Refuse, on every rank alike, a world group that cannot run dist_checkpointing's planning.
+
+    torch DCP plans a save or load with ``gather_object`` and ``scatter_object_list`` on
+    the default group (Megatron passes no group), i.e. with ``gather`` and ``scatter``;
+    a Python world group without them fails deep inside with "No backend type
+    associated with device type cpu".
+    """
+    world = c10d._get_default_group()
+    cls = type(world)
+    missing = [m for m in ("gather", "scatter") if getattr(cls, m) is getattr(dist.ProcessGroup, m)]
+    if cls is not dist.ProcessGroup and missing:
+        raise CheckpointError(
+            f"{where}: the world group {cls.__module__}.{cls.__qualname__} lacks "
+            f"{' and '.join(missing)}, which dist_checkpointing's planning needs "
+            "(torch DCP gather_object / scatter_object_list on the default group)"
+        )
+
+
 def _agree(ok: bool, what: str) -> None:
     """Raise on every rank if any rank failed ``what`` (so nobody hangs in the next collective)."""
     flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
@@ -405,6 +435,7 @@ def save(
     *,
     extra: Optional[dict] = None,
     sharding_type: str = DEFAULT_SHARDING_TYPE,
+    fork_writers: bool = False,
 ) -> Path:
     """Save model chunks, distributed optimizer and RNG states as step ``step``; collective.
 
@@ -412,6 +443,9 @@ def save(
     ``latest`` at it, each only after every rank has finished the previous part, so an
     interrupted save leaves the last good checkpoint in place. ``extra`` (JSON-serialisable,
     the same on every rank) is kept in ``pitstop.json``; read it back with :func:`read_meta`.
+    ``fork_writers=True`` keeps Megatron's stock file writer (a forked process per file,
+    results through a spawn-started Manager process per rank), exactly as Megatron-LM
+    saves; the default writes the same files from this process (see :func:`_compat_patches`).
     Returns the checkpoint's directory.
     """
     from megatron.core import dist_checkpointing
@@ -426,6 +460,7 @@ def save(
     rank = dist.get_rank()
     final = iter_dir(ckpt_dir, step)
     tmp = final.with_name(final.name + ".tmp")
+    _check_world_group(final)
     meta = {
         "format": FORMAT_VERSION,
         "step": int(step),
@@ -455,7 +490,7 @@ def save(
     metadata = {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True}
     torch.save(_rng_state(), _rng_file(tmp, rank))
     t1 = time.perf_counter()
-    with _compat():
+    with _compat(in_process_writes=not fork_writers):
         sd = _sharded_state_dict(model, optimizer, metadata, is_loading=False)
         t2 = time.perf_counter()
         # Ends with a world barrier after rank 0 wrote metadata.json: every rank is done.
@@ -516,6 +551,11 @@ def load(
             "(dist_checkpointing writes it last)"
         )
     meta = read_meta(ckpt_dir, step)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} has pitstop format {meta.get('format')!r}, expected {FORMAT_VERSION}"
+        )
+    _check_world_group(path)
     saved, now = meta["layout"], _layout()
     sharding_type = meta["sharding_type"]
     same_layout = saved == now

@@ -167,8 +167,9 @@ class Session:
         seq = pgmod.world_group().seq
         snap = state.take(self.optimizer, step, seq, out=self._spare[0])
         ranks, group = self._shard_group()
-        if not self.cfg.buddy or len(ranks) == 1 or self.fence.poisoned:
+        if not self.cfg.buddy or len(ranks) == 1:
             return snap, None
+        # a poisoned rank still takes part (its peers wait for it); broken groups short-circuit
         t0 = time.perf_counter()
         nxt, prv = self._ring(ranks, self.rank)
         self.fence.armed = True

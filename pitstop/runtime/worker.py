@@ -153,6 +153,10 @@ def join() -> Membership:
     """
     global _CURRENT
     _setup_logging()
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
     cfg = RuntimeConfig.from_env()
     world = int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=cfg.collective_timeout_s)

@@ -1,6 +1,6 @@
 """Worker: train the world-8 GPT of examples/train_gpt.py, optionally saving or resuming a checkpoint.
 
-    ckpt_worker.py --ckpt-dir D --out O [--stop-after N] [--save-at S] [--resume] -- <train_gpt args>
+    ckpt_worker.py --ckpt-dir D --out O [--stop-after N] [--save-at S] [--resume] <train_gpt args>
 
 ``--steps`` (a train_gpt argument) is the whole schedule; the data is always built for it, so a run
 that resumes at step S sees exactly the batches an uninterrupted run sees from step S+1. Each rank
@@ -61,45 +61,26 @@ def _world_gather_scatter() -> None:
                     self._wait_keys(keys)
                     for o, k in zip(output_tensors[i], keys):
                         o.copy_(_tensor(self._store.get(k), o))
-                    for k in keys:
-                        self._store.delete_key(k)
+                self._finish(op, keys)  # the last to arrive deletes: the root has read by then
             return pg.DoneWork([o for outs in output_tensors for o in outs])
 
         def scatter(self, output_tensors, input_tensors, opts=None):
             root = opts.rootRank if opts is not None else 0
             for i, t in enumerate(output_tensors):
                 op = self._next()
+                keys = [f"{op}/{r}" for r in range(self.size())]
                 if self.rank() == root:
-                    for r, src in enumerate(input_tensors[i]):
-                        self._store.set(f"{op}/{r}", _bytes(src))
-                key = f"{op}/{self.rank()}"
-                self._wait_keys([key])
-                t.copy_(_tensor(self._store.get(key), t))
-                self._store.delete_key(key)
+                    for k, src in zip(keys, input_tensors[i]):
+                        self._store.set(k, _bytes(src))
+                self._wait_keys([keys[self.rank()]])
+                t.copy_(_tensor(self._store.get(keys[self.rank()]), t))
+                self._finish(op, keys)
             return pg.DoneWork(list(output_tensors))
 
     dist.Backend.register_backend(
         pg.WORLD_BACKEND, lambda store, rank, size, timeout: WorldGroup(store, rank, size, timeout),
         devices=["cpu", "cuda"],
     )
-
-
-def _opt_digest(optimizer) -> list:
-    """Per parameter of the inner optimizer: step and a hash of each state tensor (debugging)."""
-    import hashlib
-
-    out = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        for gi, group in enumerate(inner.param_groups):
-            for p in group["params"]:
-                st = inner.state.get(p, {})
-                row = [gi, hashlib.sha1(p.detach().numpy().tobytes()).hexdigest()[:8]]
-                for k in sorted(st):
-                    v = st[k]
-                    row.append((k, float(v) if v.numel() == 1 else hashlib.sha1(v.numpy().tobytes()).hexdigest()[:8]))
-                out.append(row)
-    return out
 
 
 def main() -> int:
@@ -111,6 +92,7 @@ def main() -> int:
     p.add_argument("--save-at", type=int, default=None)
     p.add_argument("--resume", action="store_true", help="load the latest checkpoint first")
     p.add_argument("--sharding-type", default=None)
+    p.add_argument("--fork-writers", action="store_true", help="Megatron's stock multi-process file writer")
     p.add_argument("--no-world-shim", action="store_true", help="use pitstop.pg's world group as it is")
     own, rest = p.parse_known_args()
     if os.environ.get("PITSTOP_CKPT_DEBUG"):
@@ -162,8 +144,6 @@ def main() -> int:
         checkpoint.load(own.ckpt_dir, model, optimizer, start)
         rec["load_s"] = time.perf_counter() - t
         rec["extra"] = checkpoint.read_meta(own.ckpt_dir, start)["extra"]
-        if os.environ.get("PITSTOP_CKPT_DEBUG"):
-            rec["opt_digest"] = _opt_digest(optimizer)
 
     for step in range(start + 1, stop + 1):
         out = tg.train_step(args, model, optimizer, data)
@@ -171,13 +151,12 @@ def main() -> int:
             rec["steps"][step] = float.hex(out["loss"])
         if own.save_at == step:
             kw = {"sharding_type": own.sharding_type} if own.sharding_type else {}
+            kw["fork_writers"] = own.fork_writers
             dist.barrier()
             t = time.perf_counter()
             checkpoint.save(own.ckpt_dir, step, model, optimizer,
                             extra={"consumed_samples": step * global_batch}, **kw)
             rec["save_s"] = time.perf_counter() - t
-            if os.environ.get("PITSTOP_CKPT_DEBUG"):
-                rec["opt_digest"] = _opt_digest(optimizer)
 
     rec["param_sha256"] = tg.param_checksum(model)
     rec["last_step"] = stop
