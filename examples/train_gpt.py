@@ -463,4 +463,9 @@ def _run(args: argparse.Namespace, t0: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: communicators retired after a failure may still hold an
+    # operation on a dead peer in a worker thread, and joining those threads at exit aborts.
+    os._exit(code)

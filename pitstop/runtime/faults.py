@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from pitstop.errors import ConfigError
 
@@ -72,10 +72,30 @@ class Fault:
             ) from None
 
     @classmethod
-    def from_env(cls) -> Optional["Fault"]:
-        text = os.environ.get(ENV_FAULT, "")
-        return cls.parse(text) if text else None
+    def from_env(cls) -> List["Fault"]:
+        """Every fault of ``PITSTOP_FAULT`` (several are separated by ``;``)."""
+        return parse_all(os.environ.get(ENV_FAULT, ""))
+
+    def __add__(self, other: "Fault") -> "Faults":
+        return Faults((self, other))
 
     def fire(self) -> None:
         """Deliver the signal to this very process."""
         os.kill(os.getpid(), _SIGNALS[self.sig])
+
+
+class Faults(tuple):
+    """Several faults for one job (``Fault.kill(5).at(2) + Fault.kill(0).at(4, "optimizer")``)."""
+
+    def __add__(self, other: "Fault") -> "Faults":
+        return Faults(tuple(self) + (other,))
+
+    def spec(self) -> str:
+        return ";".join(f.spec() for f in self)
+
+    def env(self) -> Dict[str, str]:
+        return {ENV_FAULT: self.spec()}
+
+
+def parse_all(text: str) -> List[Fault]:
+    return [Fault.parse(part) for part in text.split(";") if part.strip()]

@@ -79,9 +79,10 @@ class Session:
         """Seconds spent in :meth:`commit` on committed steps (the steady-state overhead)."""
         self.buddy_s = 0.0
         self.steps_committed = 0
-        self.fault = Fault.from_env() if (self.m.mode == "worker" and self.m.epoch == 0) else None
-        if self.fault is not None and self.fault.rank == self.rank:
-            self._arm_fault()
+        faults = Fault.from_env() if (self.m.mode == "worker" and self.m.epoch == 0) else []
+        self.faults = [f for f in faults if f.rank == self.rank]
+        if self.faults:
+            self._arm_faults()
         if self.m.heartbeat is not None:
             self.m.heartbeat.watchers.append(self._watch)
 
@@ -441,15 +442,15 @@ class Session:
         self._info("took over role %d after step %s (pause %.3fs)", self.rank, step_s, now - float(t_switch))
 
     # ------------------------------------------------------------------ fault injection
-    def _arm_fault(self) -> None:
-        f = self.fault
+    def _arm_faults(self) -> None:
         chunk = self.model[0]
 
         def fire(phase: str) -> None:
-            if self.step == f.step and phase == f.phase:
-                self.store.set(keys.FAULT_FIRED, f"{time.time():.6f}")
-                self._info("fault injector: signal %s in phase %s", f.sig, phase)
-                f.fire()
+            for f in self.faults:
+                if self.step == f.step and phase == f.phase:
+                    self.store.set(keys.FAULT_FIRED, f"{time.time():.6f}")
+                    self._info("fault injector: signal %s in phase %s", f.sig, phase)
+                    f.fire()
 
         chunk.register_forward_pre_hook(lambda *_: fire("forward"))
         p = next(q for q in chunk.module.parameters() if q.requires_grad)

@@ -131,7 +131,7 @@ def _wait_assignment(store: dist.Store, slot: int) -> Optional[dict]:
             return json.loads(store.get(keys.assign(slot)))
         if store.check([keys.DONE]):
             return None
-        time.sleep(0.01)
+        time.sleep(0.02)
 
 
 def _setup_logging() -> None:

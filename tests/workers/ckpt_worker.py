@@ -51,10 +51,15 @@ def _world_gather_scatter() -> None:
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(like.dtype).view(like.shape)
 
     class WorldGroup(pg.StoreWorldGroup):
+        def _no_replay(self, what: str, op: str) -> None:
+            if getattr(self, "detached", False):  # a joiner's set-up does not checkpoint
+                raise pg.GroupError(f"world {what} ({op}) on a detached joiner: not recorded, cannot be replayed")
+
         def gather(self, output_tensors, input_tensors, opts=None):
             root = opts.rootRank if opts is not None else 0
             for i, t in enumerate(input_tensors):
                 op = self._next()
+                self._no_replay("gather", op)
                 keys = [f"{op}/{r}" for r in range(self.size())]
                 self._store.set(keys[self.rank()], _bytes(t))
                 if self.rank() == root:
@@ -68,6 +73,7 @@ def _world_gather_scatter() -> None:
             root = opts.rootRank if opts is not None else 0
             for i, t in enumerate(output_tensors):
                 op = self._next()
+                self._no_replay("scatter", op)
                 keys = [f"{op}/{r}" for r in range(self.size())]
                 if self.rank() == root:
                     for k, src in zip(keys, input_tensors[i]):
