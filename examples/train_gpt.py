@@ -286,7 +286,10 @@ def build_data_iterator(args: argparse.Namespace, consumed_samples: int = 0, dat
     sampler = DeterministicBatchSampler(
         len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size
     )
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+    # a private generator: making an iterator draws a seed, which must not move the global
+    # RNG (dropout's) when a rollback or a restart makes a new one
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0,
+                                         generator=torch.Generator().manual_seed(args.seed))
     return iter(loader)
 
 

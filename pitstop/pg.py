@@ -291,6 +291,40 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._finish(op, [f"{op}/{r}" for r in range(self.size())])
         return DoneWork([o for outs in output_tensors for o in outs])
 
+    def _no_replay(self, what: str) -> None:
+        if self.detached:  # a joiner's set-up does not checkpoint
+            raise GroupError(f"world {what} on a joiner before it joined: it is not recorded, so it cannot be replayed")
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """Used by torch.distributed.checkpoint (``gather_object``) under Megatron's dist_checkpointing."""
+        root = opts.rootRank if opts is not None else 0
+        for i, t in enumerate(input_tensors):
+            self._no_replay("gather")
+            op = self._next()
+            keys = [f"{op}/{r}" for r in range(self.size())]
+            self._store.set(keys[self.rank()], t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            if self.rank() == root:
+                self._wait_keys(keys)
+                for o, k in zip(output_tensors[i], keys):
+                    o.copy_(torch.frombuffer(bytearray(self._store.get(k)), dtype=torch.uint8).view(o.dtype).view(o.shape))
+            self._finish(op, keys)  # the last to finish deletes; the root has read by then
+        return DoneWork([o for outs in output_tensors for o in outs])
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        for i, t in enumerate(output_tensors):
+            self._no_replay("scatter")
+            op = self._next()
+            keys = [f"{op}/{r}" for r in range(self.size())]
+            if self.rank() == root:
+                for k, src in zip(keys, input_tensors[i]):
+                    self._store.set(k, src.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            self._wait_keys([keys[self.rank()]])
+            raw = bytearray(self._store.get(keys[self.rank()]))
+            t.copy_(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
+            self._finish(op, keys)
+        return DoneWork(list(output_tensors))
+
     def _allgather_base(self, output, input, opts=None):  # noqa: A002, ARG002
         if self.detached:
             return self._replay([output])

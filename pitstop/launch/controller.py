@@ -474,7 +474,13 @@ def request_drain(run_dir: Path, rank: Optional[int] = None, host: Optional[str]
     info = json.loads(info_path.read_text())
     from datetime import timedelta
 
-    store = dist.TCPStore(info["host"], info["port"], is_master=False, timeout=timedelta(seconds=10))
+    try:
+        store = dist.TCPStore(info["host"], info["port"], is_master=False, timeout=timedelta(seconds=10))
+    except Exception as exc:  # noqa: BLE001 - DistNetworkError and friends
+        raise PitstopError(
+            f"the controller of {run_dir} at {info['host']}:{info['port']} does not answer "
+            f"(has the job ended?): {str(exc).splitlines()[0]}"
+        ) from None
     n = store.add(keys.DRAIN_REQUEST + "/n", 1)
     store.set(keys.drain_payload(n), json.dumps({"rank": rank, "host": host}))
     store.add(keys.DRAIN_REQUEST, 1)

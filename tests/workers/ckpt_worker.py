@@ -30,65 +30,6 @@ def _import_train_gpt():
     return mod
 
 
-def _world_gather_scatter() -> None:
-    """Give the store-backed world group ``gather``/``scatter`` if pitstop.pg does not yet.
-
-    dist_checkpointing plans through torch DCP's ``gather_object`` / ``scatter_object_list`` on the
-    world group; they need these two collectives. This is the proposed StoreWorldGroup code.
-    """
-    import torch
-    import torch.distributed as dist
-
-    from pitstop import pg
-
-    if "gather" in pg.StoreWorldGroup.__dict__ and "scatter" in pg.StoreWorldGroup.__dict__:
-        return
-
-    def _bytes(t):
-        return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-
-    def _tensor(raw, like):
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(like.dtype).view(like.shape)
-
-    class WorldGroup(pg.StoreWorldGroup):
-        def _no_replay(self, what: str, op: str) -> None:
-            if getattr(self, "detached", False):  # a joiner's set-up does not checkpoint
-                raise pg.GroupError(f"world {what} ({op}) on a detached joiner: not recorded, cannot be replayed")
-
-        def gather(self, output_tensors, input_tensors, opts=None):
-            root = opts.rootRank if opts is not None else 0
-            for i, t in enumerate(input_tensors):
-                op = self._next()
-                self._no_replay("gather", op)
-                keys = [f"{op}/{r}" for r in range(self.size())]
-                self._store.set(keys[self.rank()], _bytes(t))
-                if self.rank() == root:
-                    self._wait_keys(keys)
-                    for o, k in zip(output_tensors[i], keys):
-                        o.copy_(_tensor(self._store.get(k), o))
-                self._finish(op, keys)  # the last to arrive deletes: the root has read by then
-            return pg.DoneWork([o for outs in output_tensors for o in outs])
-
-        def scatter(self, output_tensors, input_tensors, opts=None):
-            root = opts.rootRank if opts is not None else 0
-            for i, t in enumerate(output_tensors):
-                op = self._next()
-                self._no_replay("scatter", op)
-                keys = [f"{op}/{r}" for r in range(self.size())]
-                if self.rank() == root:
-                    for k, src in zip(keys, input_tensors[i]):
-                        self._store.set(k, _bytes(src))
-                self._wait_keys([keys[self.rank()]])
-                t.copy_(_tensor(self._store.get(keys[self.rank()]), t))
-                self._finish(op, keys)
-            return pg.DoneWork(list(output_tensors))
-
-    dist.Backend.register_backend(
-        pg.WORLD_BACKEND, lambda store, rank, size, timeout: WorldGroup(store, rank, size, timeout),
-        devices=["cpu", "cuda"],
-    )
-
-
 def main() -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack to stderr
     p = argparse.ArgumentParser()
@@ -99,7 +40,6 @@ def main() -> int:
     p.add_argument("--resume", action="store_true", help="load the latest checkpoint first")
     p.add_argument("--sharding-type", default=None)
     p.add_argument("--fork-writers", action="store_true", help="Megatron's stock multi-process file writer")
-    p.add_argument("--no-world-shim", action="store_true", help="use pitstop.pg's world group as it is")
     own, rest = p.parse_known_args()
     if os.environ.get("PITSTOP_CKPT_DEBUG"):
         import logging
@@ -114,8 +54,6 @@ def main() -> int:
     from pitstop.patches import megatron_cpu
 
     megatron_cpu.apply()
-    if not own.no_world_shim:
-        _world_gather_scatter()
 
     import torch.distributed as dist
 

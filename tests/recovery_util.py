@@ -1,0 +1,96 @@
+"""Run ``pitstop launch`` on the world-8 GPT as a real subprocess and read back what it did."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+PITSTOP = [sys.executable, "-m", "pitstop.launch.cli"]
+GPT = ["examples/train_gpt.py", "--tp", "2", "--pp", "2", "--checksum"]
+
+
+@dataclass
+class JobResult:
+    run_dir: Path
+    code: int
+    losses: Dict[int, str] = field(default_factory=dict)
+    """step -> loss_hex of the committed steps, as logged."""
+    checksums: Dict[int, str] = field(default_factory=dict)
+    """rank -> param_sha256 printed at the end by the process that plays the role."""
+    events: List[dict] = field(default_factory=list)
+    stats: List[dict] = field(default_factory=list)
+
+    def of(self, kind: str) -> List[dict]:
+        return [e for e in self.events if e["event"] == kind]
+
+    def tails(self, n: int = 25) -> str:
+        out = [f"=== pitstop launch exit {self.code}; events:"] + [json.dumps(e)[:400] for e in self.events]
+        for path in sorted(glob.glob(str(self.run_dir / "logs" / "*" / "*" / "attempt_0" / "0" / "*.log"))):
+            lines = [l for l in Path(path).read_text(errors="replace").splitlines() if "Warning" not in l and "warn" not in l]
+            out.append(f"----- {path}")
+            out.extend(lines[-n:])
+        launcher = self.run_dir / "launcher.log"
+        if launcher.exists():
+            out.append("----- launcher")
+            out.extend(launcher.read_text(errors="replace").splitlines()[-n:])
+        return "\n".join(out)
+
+
+def run_job(run_dir: Path, steps: int, standby: int = 0, faults: str = "", launch_args: Optional[List[str]] = None,
+            during: Optional[Callable[[Path], None]] = None, timeout: float = 600) -> JobResult:
+    """Launch, optionally act on the running job (``during(run_dir)``), wait for the end."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    loss_file = run_dir / "loss.jsonl"
+    cmd = PITSTOP + ["launch", "--nproc-per-node", "8", "--standby", str(standby), "--run-dir", str(run_dir)]
+    cmd += (launch_args or []) + ["--"] + GPT + ["--steps", str(steps), "--loss-file", str(loss_file)]
+    env = dict(os.environ, PITSTOP_FAULT=faults)
+    with open(run_dir / "launcher.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            if during is not None:
+                during(run_dir)
+            code = proc.wait(timeout=max(1.0, timeout))
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            res = collect(run_dir, -9)
+            print(res.tails())
+            raise
+    return collect(run_dir, code)
+
+
+def collect(run_dir: Path, code: int) -> JobResult:
+    res = JobResult(run_dir, code)
+    lf = run_dir / "loss.jsonl"
+    if lf.exists():
+        for line in lf.read_text().splitlines():
+            d = json.loads(line)
+            res.losses[d["step"]] = d["loss_hex"]
+    ev = run_dir / "events.jsonl"
+    if ev.exists():
+        res.events = [json.loads(l) for l in ev.read_text().splitlines() if l.strip()]
+    for path in glob.glob(str(run_dir / "logs" / "*" / "*" / "attempt_0" / "0" / "stdout.log")):
+        for line in Path(path).read_text(errors="replace").splitlines():
+            if line.startswith("{") and "param_sha256" in line:
+                d = json.loads(line)
+                res.checksums[d["rank"]] = d["param_sha256"]
+                res.stats.append(d)
+    return res
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float = 300) -> None:
+    lf = run_dir / "loss.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if lf.exists() and sum(1 for _ in lf.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} was not logged within {timeout}s in {run_dir}")

@@ -1,0 +1,93 @@
+"""Tier 3: real processes, real signals, real Megatron-Core, through ``pitstop launch``.
+
+Every run is compared with one uninterrupted run of the same job: per-step loss and
+every rank's final parameter checksum must be equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pitstop.launch.controller import request_drain
+from pitstop.runtime.faults import Fault
+from tests.recovery_util import GPT, ROOT, run_job, wait_for_step
+
+STEPS = 10
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    res = run_job(tmp_path_factory.mktemp("reference"), STEPS)
+    assert res.code == 0, res.tails()
+    assert sorted(res.losses) == list(range(1, STEPS + 1)), res.tails()
+    assert len(res.checksums) == 8, res.tails()
+    return res
+
+
+def assert_same_run(res, ref, first_step: int = 1) -> None:
+    assert res.code == 0, res.tails()
+    for step in range(first_step, STEPS + 1):
+        assert res.losses.get(step) == ref.losses[step], f"step {step}: {res.losses.get(step)} != {ref.losses[step]}\n{res.tails()}"
+    assert res.checksums == ref.checksums, res.tails()
+
+
+def stray(run_dir) -> subprocess.CompletedProcess:
+    """A process that knows the store's address but not the job token."""
+    import json
+
+    info = json.loads((run_dir / "controller.json").read_text())
+    env = dict(os.environ, PITSTOP_STORE=f"{info['host']}:{info['port']}", PITSTOP_CONTROLLER="1",
+               PITSTOP_STANDBY="1", PITSTOP_JOB_TOKEN="not-the-token", WORLD_SIZE="8", RANK="-1",
+               MASTER_ADDR=info["host"], MASTER_PORT=str(info["port"]))
+    return subprocess.run([sys.executable] + GPT + ["--steps", "2"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_unplanned_kill_is_bitwise_identical_and_a_stray_is_refused(reference, tmp_path):
+    seen = {}
+
+    def during(run_dir):
+        wait_for_step(run_dir, 1)
+        seen["stray"] = stray(run_dir)
+
+    fault = Fault.kill(rank=5).at(step=3, phase="backward")
+    res = run_job(tmp_path / "run", STEPS, standby=1, faults=fault.spec(), during=during)
+    assert_same_run(res, reference)
+    rep = res.of("replaced")
+    assert len(rep) == 1 and rep[0]["role"] == 5 and rep[0]["generation"] == 1 and rep[0]["step"] == 3, res.tails()
+    # only the delta rebuilt: 9 communicators touch role 5's groups; the others kept theirs
+    assert rep[0]["rebuilt"] >= 1 and rep[0]["downtime_s"] > 0, rep
+    # the stray got no role and the job went on
+    s = seen["stray"]
+    assert s.returncode != 0 and "refused" in s.stderr, s.stderr[-2000:]
+    assert len(res.of("refused")) == 1, res.tails()
+
+
+def test_planned_drain_is_bitwise_identical(reference, tmp_path):
+    def during(run_dir):
+        wait_for_step(run_dir, 2)
+        request_drain(run_dir, rank=2)
+
+    res = run_job(tmp_path / "run", STEPS, standby=1, during=during)
+    assert_same_run(res, reference)
+    d = res.of("drained")
+    assert len(d) == 1 and d[0]["role"] == 2 and d[0]["generation"] == 1, res.tails()
+    assert d[0]["pause_s"] is not None and d[0]["pause_s"] < 30, d
+
+
+def test_fault_matrix_subset_with_a_hang(reference, tmp_path):
+    """First PP stage in the optimizer step, a hung (SIGSTOP) last-stage rank, a TP rank
+    in the parameter all-gather: three replacements in one job."""
+    faults = (Fault.kill(rank=0).at(step=2, phase="optimizer")
+              + Fault.stop(rank=7).at(step=4, phase="forward")
+              + Fault.kill(rank=3).at(step=6, phase="param-gather"))
+    res = run_job(tmp_path / "run", STEPS, standby=3, faults=faults.spec(),
+                  launch_args=["--heartbeat-timeout", "3"])
+    assert_same_run(res, reference)
+    assert [e["role"] for e in res.of("replaced")] == [0, 7, 3], res.tails()
+    assert [e["role"] for e in res.of("hung")] == [7], res.tails()
