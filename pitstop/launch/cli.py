@@ -23,12 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pitstop", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="train the world-8 Megatron-Core GPT (tp2 pp2 dp2) on CPU with pitstop-owned groups")
-    d.add_argument("--steps", type=int, default=10, help="training iterations (default 10)")
-    d.add_argument("--nproc-per-node", type=int, default=8, help="worker processes (default 8)")
-    d.add_argument("--tp", type=int, default=2)
-    d.add_argument("--pp", type=int, default=2)
-    d.add_argument("--run-dir", default="runs/demo", help="logs and loss file go here (default runs/demo)")
+    d = sub.add_parser("demo", help="world-8 GPT with one standby: kill a rank, drain another, compare with an uninterrupted run")
+    d.add_argument("--steps", type=int, default=12, help="training iterations (default 12)")
+    d.add_argument("--run-dir", default="runs/demo", help="logs and events go here (default runs/demo)")
 
     la = sub.add_parser("launch", help="run a training script with a controller, standbys and heartbeats")
     la.add_argument("--nproc-per-node", type=int, required=True, help="workers on this machine")
@@ -93,7 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.cmd == "demo":
             from pitstop.launch.demo import run_demo
 
-            return run_demo(args.steps, args.nproc_per_node, args.tp, args.pp, args.run_dir)
+            return run_demo(args.steps, args.run_dir)
         if args.cmd == "bench" and args.bench == "groups":
             from pitstop.launch.bench import bench_groups
 

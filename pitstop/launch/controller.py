@@ -297,6 +297,7 @@ class Controller:
         self.events.write("failure", role=role, reason=reason, step=step, generation=g,
                           detect_s=None if fired is None else round(t_detect - fired, 4),
                           log=self.agent.log_paths(p)["stderr"])
+        self._start_standby()  # keep the pool full: the next failure finds a warm standby too
         self.pending.append({"kind": "unplanned", "role": role, "generation": g + 1, "step": step,
                              "old": old.describe(), "new": joiner.info.describe(), "fired": fired,
                              "detected": t_detect, "planned": t_plan, "reason": reason})
@@ -391,6 +392,7 @@ class Controller:
         self.draining = {"role": role, "gen": g, "slot": slot, "leaver": leaver_slot, "t0": time.time(),
                          "old": self.roster.roles[role].describe(), "new": joiner.info.describe()}
         self.events.write("drain-prepare", role=role, generation=g, joiner=joiner.info.describe())
+        self._start_standby()
 
     def _drain_progress(self) -> None:
         d = self.draining

@@ -1,59 +1,58 @@
-"""``pitstop demo``: the world-8 Megatron-Core GPT on CPU/gloo with pitstop-owned groups.
+"""``make demo``: the main job. World-8 Megatron-Core GPT (tp2 pp2 dp2) on CPU, one standby.
 
-For now this is the foundation's job: train ``examples/train_gpt.py`` at tp2 pp2 dp2
-and print each step's loss as it arrives. Standby replacement joins it later.
+1. an uninterrupted run of the same job, for comparison;
+2. the pitstop run: rank 5 is SIGKILLed in the backward pass of step 3 and a standby
+   takes over; after step 6 rank 2 is drained to a standby (the pool refills);
+3. a summary: each event's downtime, the groups rebuilt and kept, and whether every
+   step's loss and every rank's final parameters matched the uninterrupted run bit for bit.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
-import pitstop
-from pitstop.errors import PitstopError
-from pitstop.launch.local import LocalJob
-
-EXAMPLE = Path(pitstop.__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+from pitstop.launch.controller import request_drain
+from pitstop.launch.runs import run_job, wait_for_step
+from pitstop.runtime.faults import Fault
 
 
-def run_demo(steps: int, nproc: int, tp: int, pp: int, run_dir: str, timeout: float = 900) -> int:
-    from pitstop.layout import ParallelLayout
+def run_demo(steps: int = 12, run_dir: str = "runs/demo") -> int:
+    base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
+    print(f"pitstop demo: world 8 (tp2 pp2 dp2) Megatron-Core GPT on CPU, {steps} steps; runs in {base}", flush=True)
+    print("  [1/2] uninterrupted run ...", flush=True)
+    ref = run_job(base / "uninterrupted", steps)
+    if ref.code != 0:
+        print(ref.tails())
+        return 1
+    drain_after = max(2, steps // 2)
+    kill = Fault.kill(rank=5).at(step=min(3, steps), phase="backward")
+    print(f"  [2/2] pitstop run: kill rank 5 at step {kill.step} ({kill.phase}), drain rank 2 after step {drain_after} ...",
+          flush=True)
 
-    layout = ParallelLayout(nproc, tp=tp, pp=pp)  # bad input fails here, before any process starts
-    if not EXAMPLE.exists():
-        raise PitstopError(f"{EXAMPLE} not found: `pitstop demo` runs from a source checkout (pip install -e .)")
-    run = Path(run_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    loss_file = run / "loss.jsonl"
-    loss_file.unlink(missing_ok=True)
-    print(f"pitstop demo: training GPT with {layout.describe()} for {steps} steps; logs in {run}/")
-    job = LocalJob(run)
-    t0 = time.perf_counter()
-    ctx = job.start(
-        "train",
-        [str(EXAMPLE), "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--loss-file", str(loss_file), "--pitstop"],
-        range(nproc), nproc,
-    )
-    seen = 0
-    try:
-        while True:
-            res = ctx.wait(timeout=0.5, period=0.1)
-            if loss_file.exists():
-                lines = loss_file.read_text().splitlines()
-                for line in lines[seen:]:
-                    rec = json.loads(line)
-                    print(f"  step {rec['step']:>3}  loss {rec['loss']:.6f}  grad_norm {rec.get('grad_norm', float('nan')):.4f}")
-                seen = len(lines)
-            if res is not None:
-                break
-            if time.perf_counter() - t0 > timeout:
-                raise PitstopError(f"demo did not finish in {timeout:.0f}s\n{job.log_tail(ctx)}")
-        if res.is_failed():
-            print(job.log_tail(ctx))
-            print(f"pitstop demo: FAILED ({sorted(res.failures)} exited non-zero)")
-            return 1
-    finally:
-        job.close()
-    print(f"pitstop demo: {seen} steps in {time.perf_counter() - t0:.1f}s, groups owned by pitstop (generation 0)")
-    return 0 if seen == steps else 1
+    def drain(d: Path) -> None:
+        wait_for_step(d, drain_after)
+        request_drain(d, rank=2)
+
+    res = run_job(base / "pitstop", steps, standby=1, faults=kill.spec(), during=drain)
+    if res.code != 0:
+        print(res.tails())
+        return 1
+    print()
+    print(f"  {'step':>4}  {'uninterrupted':>22}  {'with pitstop':>22}")
+    for s in sorted(ref.losses):
+        a, b = ref.losses[s], res.losses.get(s)
+        print(f"  {s:>4}  {float.fromhex(a):>22.9f}  {float.fromhex(b) if b else float('nan'):>22.9f}  {'==' if a == b else '!='}")
+    print()
+    for ev in res.of("replaced"):
+        print(f"  unplanned: role {ev['role']} ({ev['old']} -> {ev['new']}) at step {ev['step']}: downtime {ev['downtime_s']:.2f}s "
+              f"(detect {ev['detect_s']}s, plan {ev['plan_s']}s, groups {ev['groups_s']}s, state {ev['state_s']}s, "
+              f"first step {ev['first_step_s']}s); {ev['rebuilt']} groups rebuilt on the busiest rank, "
+              f"{ev['ranks_rebuilding']} of 8 ranks rebuilt anything")
+    for ev in res.of("drained"):
+        print(f"  planned:   role {ev['role']} ({ev['old']} -> {ev['new']}) after step {ev['step'] - 1}: pause {ev['pause_s']}s "
+              f"(prepared in the background in {ev['prepare_s']}s; first step after {ev['first_step_s']}s)")
+    same = res.losses == ref.losses and res.checksums == ref.checksums
+    print(f"\n  loss and parameters identical to the uninterrupted run, bit for bit: {same}")
+    print(f"  events: {base / 'pitstop' / 'events.jsonl'}   (pitstop status --run-dir {base / 'pitstop'})")
+    return 0 if same and res.of("replaced") and res.of("drained") else 1

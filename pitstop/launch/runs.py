@@ -1,4 +1,7 @@
-"""Run ``pitstop launch`` on the world-8 GPT as a real subprocess and read back what it did."""
+"""Run ``pitstop launch`` on the world-8 GPT as a real subprocess and read back what it did.
+
+Shared by the tier-3 tests, the recovery benchmark and the demo.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PITSTOP = [sys.executable, "-m", "pitstop.launch.cli"]
 GPT = ["examples/train_gpt.py", "--tp", "2", "--pp", "2", "--checksum"]
 
@@ -45,12 +48,13 @@ class JobResult:
 
 
 def run_job(run_dir: Path, steps: int, standby: int = 0, faults: str = "", launch_args: Optional[List[str]] = None,
-            during: Optional[Callable[[Path], None]] = None, timeout: float = 600) -> JobResult:
+            during: Optional[Callable[[Path], None]] = None, timeout: float = 600,
+            script_args: Optional[List[str]] = None) -> JobResult:
     """Launch, optionally act on the running job (``during(run_dir)``), wait for the end."""
     run_dir.mkdir(parents=True, exist_ok=True)
     loss_file = run_dir / "loss.jsonl"
     cmd = PITSTOP + ["launch", "--nproc-per-node", "8", "--standby", str(standby), "--run-dir", str(run_dir)]
-    cmd += (launch_args or []) + ["--"] + GPT + ["--steps", str(steps), "--loss-file", str(loss_file)]
+    cmd += (launch_args or []) + ["--"] + GPT + ["--steps", str(steps), "--loss-file", str(loss_file)] + (script_args or [])
     env = dict(os.environ, PITSTOP_FAULT=faults)
     with open(run_dir / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -1,0 +1,77 @@
+"""``pitstop bench recovery``: the same world-8 job four ways, side by side in one run.
+
+1. uninterrupted (the reference: losses, checksums, steady iteration time, hook cost);
+2. a checkpoint restart as users do it today: one rank killed, every process
+   restarted, groups re-initialised, the checkpoint loaded from disk;
+3. pitstop's unplanned replacement of the same kill by a standby;
+4. pitstop's planned drain of one rank.
+
+Times are taken from the controller's event log, so each is measured the same way:
+from the kill (the fault injector stamps the store just before it fires) to the end
+of the first step that finished after it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Dict
+
+from pitstop.launch.controller import request_drain
+from pitstop.launch.runs import JobResult, run_job, wait_for_step
+from pitstop.runtime.faults import Fault
+
+KILL = Fault.kill(rank=5).at(step=4, phase="backward")
+
+
+def _identical(res: JobResult, ref: JobResult) -> bool:
+    return res.code == 0 and res.losses == ref.losses and res.checksums == ref.checksums
+
+
+def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict[str, Any]:
+    base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
+    ref = run_job(base / "reference", steps)
+    if ref.code != 0:
+        raise RuntimeError(f"the reference run failed:\n{ref.tails()}")
+    restart = run_job(base / "restart", steps, standby=0, faults=KILL.spec(), launch_args=["--save-interval", "2"])
+    unplanned = run_job(base / "unplanned", steps, standby=1, faults=KILL.spec())
+
+    def drain(d: Path) -> None:
+        wait_for_step(d, 2)
+        request_drain(d, rank=2)
+
+    planned = run_job(base / "planned", steps, standby=1, during=drain)
+
+    iters = []
+    import json
+
+    for line in (base / "reference" / "loss.jsonl").read_text().splitlines()[1:]:
+        iters.append(json.loads(line)["step_time_s"])
+    steady = statistics.median(iters)
+    hook = statistics.mean(s["hook_s"] / max(1, s["steps_committed"]) for s in ref.stats)
+    buddy = statistics.mean(s["buddy_s"] / max(1, s["steps_committed"]) for s in ref.stats)
+    rep = (unplanned.of("replaced") or [{}])[0]
+    rst = (restart.of("restarted") or [{}])[0]
+    drn = (planned.of("drained") or [{}])[0]
+    baseline_s, unplanned_s = rst.get("downtime_s"), rep.get("downtime_s")
+    return {
+        "baseline_restart_s": baseline_s,
+        "unplanned_s": unplanned_s,
+        "planned_pause_s": drn.get("pause_s"),
+        "steady_iteration_s": steady,
+        "ratio_unplanned": None if not (baseline_s and unplanned_s) else round(unplanned_s / baseline_s, 4),
+        "loss_identical": _identical(unplanned, ref) and _identical(planned, ref),
+        "buddy_copy_bytes": max(s["buddy_bytes"] for s in ref.stats),
+        "hook_overhead_pct": round(100 * hook / steady, 3),
+        "breakdown": {
+            "unplanned": {k: rep.get(k) for k in ("detect_s", "plan_s", "groups_s", "state_s", "first_step_s")},
+            "planned": {k: drn.get(k) for k in ("prepare_s", "pause_s", "groups_s", "state_s", "first_step_s")},
+            "restart": {"resume_step": (restart.of("fallback") or [{}])[0].get("resume_step")},
+            "hook_per_step_s": round(hook, 5),
+            "buddy_exchange_per_step_s": round(buddy, 5),
+            "restart_loss_identical": all(restart.losses.get(k) == v for k, v in ref.losses.items()),
+        },
+        "job": "world 8 (tp2 pp2 dp2) Megatron-Core GPT on CPU/gloo, 1 standby, kill rank 5 at step 4 (backward), drain rank 2",
+        "run_dir": str(base),
+    }

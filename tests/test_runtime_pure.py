@@ -1,0 +1,134 @@
+"""Tier 1: the runtime's pure parts (config, fault specs, job token, reference swapping)."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import pytest
+import torch.distributed as dist
+
+from pitstop.errors import ConfigError
+from pitstop.launch.token import mac, verify
+from pitstop.runtime.config import RuntimeConfig
+from pitstop.runtime.faults import PHASES, Fault, parse_all
+from pitstop.runtime.swap import find_groups, swap_groups
+
+
+# ----------------------------------------------------------------------------- config
+def test_config_round_trips_through_the_environment():
+    cfg = RuntimeConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2, collective_timeout_s=30, buddy=False,
+                        save_interval=5, save_dir="/x")
+    assert RuntimeConfig.from_env(cfg.to_env()) == cfg
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"heartbeat_interval_s": 5.0, "heartbeat_timeout_s": 2.0}, "5.0 < 2.0 < 120.0"),
+    ({"heartbeat_timeout_s": 200.0}, "0.5 < 200.0 < 120.0"),
+    ({"collective_timeout_s": 0}, "collective_timeout_s(0) must be > 0"),
+    ({"save_interval": -1}, "save_interval(-1) must be >= 0"),
+    ({"buddy": "yes"}, "buddy='yes': expected bool"),
+    ({"heartbeat_interval_s": True}, "expected float, got bool"),
+])
+def test_config_errors_name_the_values(kw, message):
+    with pytest.raises(ConfigError) as e:
+        RuntimeConfig(**kw)
+    assert message in str(e.value)
+
+
+def test_config_from_mapping_refuses_unknown_keys_by_name():
+    with pytest.raises(ConfigError, match="unknown key\\(s\\) heartbeat_intervall_s"):
+        RuntimeConfig.from_mapping({"heartbeat_intervall_s": 1.0})
+
+
+def test_config_from_env_names_the_bad_variable():
+    with pytest.raises(ConfigError, match="PITSTOP_SAVE_INTERVAL='two': expected int"):
+        RuntimeConfig.from_env({"PITSTOP_SAVE_INTERVAL": "two"})
+
+
+def test_megatron_flags_give_a_validated_config():
+    import argparse
+
+    from pitstop.integrations.megatron import add_pitstop_args, runtime_config
+
+    p = add_pitstop_args(argparse.ArgumentParser())
+    args = p.parse_args(["--pitstop-heartbeat-timeout", "3", "--pitstop-save-interval", "4", "--pitstop-no-buddy"])
+    cfg = runtime_config(args)
+    assert (cfg.heartbeat_timeout_s, cfg.save_interval, cfg.buddy) == (3.0, 4, False)
+    with pytest.raises(ConfigError, match="0.5 < 500.0 < 120.0"):
+        runtime_config(p.parse_args(["--pitstop-heartbeat-timeout", "500"]))
+
+
+# ----------------------------------------------------------------------------- faults
+def test_fault_fluent_form_round_trips():
+    f = Fault.kill(rank=5).at(step=3, phase="backward")
+    assert Fault.parse(f.spec()) == f == Fault(5, 3, "backward", "KILL")
+    many = f + Fault.stop(rank=2).at(4, "optimizer") + Fault.kill(0).at(6, "param-gather")
+    assert parse_all(many.spec()) == list(many)
+    assert [x.sig for x in many] == ["KILL", "STOP", "KILL"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("rank=1,step=2,phase=sideways", "phase 'sideways' unknown"),
+    ("step=2", "expected rank=R,step=S,phase=P"),
+    ("rank=1,signal=HUP", "signal 'HUP' unknown"),
+    ("rank=-1", "rank(-1) must be >= 0"),
+])
+def test_bad_fault_specs_are_refused(text, message):
+    with pytest.raises(ConfigError) as e:
+        Fault.parse(text)
+    assert message in str(e.value)
+
+
+def test_phases_are_in_step_order():
+    assert PHASES == ("forward", "backward", "grad-reduce", "optimizer", "param-gather")
+
+
+# ----------------------------------------------------------------------------- token
+def test_job_token_hmac_proves_possession_only():
+    nonce = b"n" * 32
+    answer = mac("secret", nonce, "7")
+    assert verify("secret", nonce, "7", answer)
+    assert not verify("other", nonce, "7", answer)        # wrong token
+    assert not verify("secret", b"m" * 32, "7", answer)   # replayed for another nonce
+    assert not verify("secret", nonce, "8", answer)       # replayed for another slot
+
+
+# ----------------------------------------------------------------------------- swap
+class G(dist.ProcessGroup):
+    def __init__(self, name: str) -> None:
+        super().__init__(0, 1)
+        self.name_ = name
+
+    @property
+    def group_name(self) -> str:
+        return self.name_
+
+
+Pair = collections.namedtuple("Pair", "tp dp")
+
+
+@dataclass(frozen=True)
+class Frozen:
+    group: object
+
+
+class Holder:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def test_swap_replaces_every_reference_and_leaves_others():
+    old_tp, old_dp, kept, new_tp, new_dp = G("tp0"), G("dp0"), G("pp0"), G("tp1"), G("dp1")
+    inner = Holder(group=old_tp, pair=Pair(old_tp, kept), frozen=Frozen(old_dp))
+    root = Holder(child=inner, groups=[old_dp, kept], by_kind={"tp": old_tp, "pp": kept},
+                  tup=(old_dp, 3), cycle=None)
+    root.cycle = root
+    mapping = {id(old_tp): new_tp, id(old_dp): new_dp}
+    n = swap_groups([root], mapping)
+    assert n == 6
+    assert inner.group is new_tp and inner.pair == Pair(new_tp, kept) and isinstance(inner.pair, Pair)
+    assert inner.frozen.group is new_dp and root.groups == [new_dp, kept] and root.tup == (new_dp, 3)
+    assert root.by_kind == {"tp": new_tp, "pp": kept}
+    assert find_groups([root], mapping) == []
+    assert len(find_groups([root], {id(kept): kept})) == 3
