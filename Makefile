@@ -24,6 +24,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/pitstop bench groups --json
+	$(VENV)/bin/pitstop bench recovery --json
 
 clean:
 	rm -rf $(VENV) runs

@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
     r.add_argument("--steps", type=int, default=8)
     r.add_argument("--run-dir", default="runs/bench-recovery")
+    fm = bsub.add_parser("faults", help="the full fault matrix (4 roles x 5 phases), each bitwise against an uninterrupted run")
+    fm.add_argument("--json", action="store_true")
+    fm.add_argument("--run-dir", default="runs/bench-faults")
     return p
 
 
@@ -85,6 +88,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             from pitstop.launch.bench_recovery import bench_recovery
 
             out = bench_recovery(steps=args.steps, run_dir=args.run_dir)
+            print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+            return 0
+        if args.cmd == "bench" and args.bench == "faults":
+            from pitstop.launch.bench_recovery import bench_faults
+
+            out = bench_faults(run_dir=args.run_dir)
             print(json.dumps(out) if args.json else json.dumps(out, indent=2))
             return 0
         if args.cmd == "demo":
