@@ -95,7 +95,7 @@ def test_fault_matrix_subset_with_a_hang(reference, tmp_path):
               + Fault.stop(rank=7).at(step=4, phase="forward")
               + Fault.kill(rank=3).at(step=6, phase="param-gather"))
     res = run_job(tmp_path / "run", STEPS, standby=3, faults=faults.spec(),
-                  launch_args=["--heartbeat-timeout", "4"])
+                  launch_args=["--heartbeat-timeout", "8"])
     assert_same_run(res, reference)
     assert [e["role"] for e in res.of("replaced")] == [0, 7, 3], res.tails()
     assert [e["role"] for e in res.of("hung")] == [7], res.tails()

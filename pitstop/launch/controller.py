@@ -280,6 +280,12 @@ class Controller:
         g = self.roster.generation
         fired = float(self.store.get(keys.FAULT_FIRED)) if self.store.check([keys.FAULT_FIRED]) else None
         self.store.delete_key(keys.FAULT_FIRED)
+        if not self.store.check([keys.COMMITTED]):
+            # lost before the first step committed: the others may be stuck in a world
+            # operation of their set-up, and there is no state to keep. Start over.
+            self.events.write("failure", role=role, reason=reason, step=0, generation=g)
+            self._restart_all(None, role, reason, t_detect, fired)
+            return
         step = self._resolve_step(g, {"role": role, "generation": g + 1})
         if not self.pool:
             self._fallback(role, reason, step, t_detect, fired)
@@ -332,6 +338,13 @@ class Controller:
             return
         self.events.write("fallback", mode="checkpoint-restart", resume_step=resume, reason="no standby left")
         self.store.set(keys.fault(g), json.dumps({"fallback": True, "resume_step": resume}))
+        self._restart_all(resume, role, reason, t_detect, fired)
+
+    def _restart_all(self, resume: Optional[int], role: int, reason: str, t_detect: float, fired: Optional[float]) -> None:
+        """Stop every worker and start them all again (from checkpoint ``resume``, or from scratch)."""
+        g = self.roster.generation if self.roster is not None else self.generation
+        if resume is None:
+            self.events.write("restart", mode="from-scratch", reason=f"role {role} lost before the first step")
         for m in list(self.members.values()):
             if m.proc is not None and m.proc.running and not m.standby:
                 self.agent.kill(m.proc)
@@ -346,9 +359,10 @@ class Controller:
         self.epoch += 1
         self.generation = g + 1
         self.roster = None
+        self.store.delete_key(keys.COMMITTED)
         for r in range(self.spec.world_size):
-            self._start_worker(r, {ENV_RESUME: str(resume), "PITSTOP_FAULT": ""})
-        self.pending.append({"kind": "restart", "generation": g + 1, "step": resume + 1, "fired": fired,
+            self._start_worker(r, {ENV_RESUME: str(resume), "PITSTOP_FAULT": ""} if resume is not None else {"PITSTOP_FAULT": ""})
+        self.pending.append({"kind": "restart", "generation": g + 1, "step": (resume or 0) + 1, "fired": fired,
                              "detected": t_detect, "planned": time.time(), "reason": reason, "role": role})
 
     # ------------------------------------------------------------------ planned
