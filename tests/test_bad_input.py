@@ -3,11 +3,14 @@
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
 from pitstop.errors import InstallError, LayoutError, MissingDependencyError, PitstopError
 from pitstop.integrations import megatron as pm
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_missing_megatron_names_the_extra():
@@ -65,3 +68,26 @@ def test_cli_rejects_an_unknown_flag():
 def test_errors_form_one_hierarchy():
     assert issubclass(LayoutError, PitstopError) and issubclass(LayoutError, ValueError)
     assert issubclass(MissingDependencyError, ImportError)
+
+
+# ----------------------------------------------------------------------------- launcher CLI
+@pytest.mark.parametrize("argv, message", [
+    (["launch", "--nproc-per-node", "0", "--", "examples/train_gpt.py"], "--nproc-per-node(0) must be >= 1"),
+    (["launch", "--nproc-per-node", "2", "--standby", "-1", "--", "examples/train_gpt.py"], "--standby(-1) must be >= 0"),
+    (["launch", "--nproc-per-node", "2", "--nnodes", "2", "--", "examples/train_gpt.py"], "--nnodes(2)"),
+    (["launch", "--nproc-per-node", "2", "--", "no_such_script.py"], "'no_such_script.py' does not exist"),
+    (["launch", "--nproc-per-node", "2"], "no training script given"),
+    (["launch", "--nproc-per-node", "2", "--heartbeat-timeout", "500", "--", "examples/train_gpt.py"],
+     "0.5 < 500.0 < 120.0"),
+    (["drain", "--run-dir", "/nonexistent/run", "--rank", "1"], "/nonexistent/run/controller.json does not exist"),
+])
+def test_launcher_refuses_bad_input_before_starting_anything(argv, message, capsys, tmp_path, monkeypatch):
+    from pitstop.launch.cli import main
+
+    monkeypatch.chdir(ROOT)
+    run_dir = tmp_path / "run"
+    if argv[0] == "launch":
+        argv = argv[:1] + ["--run-dir", str(run_dir)] + argv[1:]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not run_dir.exists()  # nothing was started half-way
