@@ -50,9 +50,9 @@ def test_unsupported_megatron_option_is_named(kw, name):
 
 def test_cli_rejects_a_layout_that_does_not_divide_before_starting(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "pitstop.launch.cli", "demo", "--nproc-per-node", "6", "--tp", "2", "--pp", "2",
-         "--run-dir", str(tmp_path / "r")],
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "pitstop.launch.cli", "launch", "--nproc-per-node", "6", "--run-dir", str(tmp_path / "r"),
+         "--", "examples/train_gpt.py", "--tp", "2", "--pp", "2"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
     )
     assert out.returncode == 2
     assert "tp(2) * pp(2) * cp(1) does not divide world_size(6)" in out.stderr

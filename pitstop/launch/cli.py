@@ -132,7 +132,34 @@ def _launch(args) -> int:
                       Path(args.run_dir), cfg, env)
     if not Path(script[0]).exists():
         raise PitstopError(f"training script {script[0]!r} does not exist")
+    _check_layout(script[1:], spec.world_size)
     return Controller(spec).run()
+
+
+#: Parallel-degree flags of Megatron-LM and of examples/train_gpt.py, by layout field.
+_DEGREE_FLAGS = {
+    "tp": ("--tp", "--tensor-model-parallel-size"),
+    "pp": ("--pp", "--pipeline-model-parallel-size"),
+    "cp": ("--cp", "--context-parallel-size"),
+    "ep": ("--ep", "--expert-model-parallel-size"),
+}
+
+
+def _check_layout(script_args: List[str], world_size: int) -> None:
+    """Refuse, before any process starts, a layout in the script's flags that does not divide the world."""
+    from pitstop.layout import ParallelLayout
+
+    degrees = {}
+    for i, a in enumerate(script_args):
+        name, _, value = a.partition("=")
+        for field, flags in _DEGREE_FLAGS.items():
+            if name in flags:
+                value = value or (script_args[i + 1] if i + 1 < len(script_args) else "")
+                if not value.isdigit():
+                    raise PitstopError(f"{name} {value!r}: expected a positive integer")
+                degrees[field] = int(value)
+    if degrees:
+        ParallelLayout(world_size, **degrees)  # raises LayoutError naming every factor
 
 
 if __name__ == "__main__":  # pragma: no cover
