@@ -197,7 +197,8 @@ class Session:
     def _vote(self, step: int, poisoned: bool) -> str:
         st, vk = self.store, keys.verdict(self.gen, step)
         if poisoned:
-            st.compare_set(vk, "", f"poisoned at r{self.rank}: {self.fence.errors[0]}")
+            why = self.fence.errors[0] if self.fence.errors else f"groups marked broken: {sorted(self.fence.broken)}"
+            st.compare_set(vk, "", f"poisoned at r{self.rank}: {why}")
         elif st.add(keys.arrive(self.gen, step), 1) == self.layout.world_size:
             want = "switch" if st.check([keys.drain_ready(self.gen)]) else "ok"
             if st.compare_set(vk, "", want).decode() == want:
