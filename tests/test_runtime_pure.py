@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from pitstop.errors import ConfigError
-from pitstop.launch.token import mac, verify
+from pitstop.launch.jobtoken import mac, verify
 from pitstop.runtime.config import RuntimeConfig
 from pitstop.runtime.faults import PHASES, Fault, parse_all
 from pitstop.runtime.swap import find_groups, swap_groups

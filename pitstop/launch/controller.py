@@ -32,7 +32,7 @@ from pitstop.errors import PitstopError
 from pitstop.launch.agent import Agent, Proc
 from pitstop.launch.events import CONTROLLER, ROSTER, EventLog
 from pitstop.launch.local import worker_env
-from pitstop.launch.token import ENV_TOKEN, new_token, verify
+from pitstop.launch.jobtoken import ENV_TOKEN, new_token, verify
 from pitstop.roster import ProcessInfo, Roster
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig

@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 import torch.distributed as dist
 
 from pitstop.errors import AuthError, PitstopError
-from pitstop.launch.token import ENV_TOKEN, mac, token_from_env
+from pitstop.launch.jobtoken import ENV_TOKEN, mac, token_from_env
 from pitstop.pg import init_world
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig
