@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     d = sub.add_parser("demo", help="world-8 GPT with one standby: kill a rank, drain another, compare with an uninterrupted run")
-    d.add_argument("--steps", type=int, default=12, help="training iterations (default 12)")
+    d.add_argument("--steps", type=int, default=80,
+                   help="training iterations (default 80: long enough for the refilled standby to warm up before the drain)")
     d.add_argument("--run-dir", default="runs/demo", help="logs and events go here (default runs/demo)")
 
     la = sub.add_parser("launch", help="run a training script with a controller, standbys and heartbeats")

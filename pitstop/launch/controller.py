@@ -109,6 +109,7 @@ class Controller:
         self.next_join = 1
         self.pending: List[Dict[str, Any]] = []       # changes waiting for their first step after
         self.drain_queue: List[int] = []
+        self.drain_waiting: set = set()
         self.draining: Optional[Dict[str, Any]] = None
         self.leavers: set = set()
         self.drain_seen = 0
@@ -394,9 +395,13 @@ class Controller:
         return roles
 
     def _start_drain(self, role: int) -> None:
-        if not self.pool:
-            self.events.write("drain-refused", role=role, reason="no standby left to take the role")
+        if not self.pool:  # wait for the pool to refill rather than refuse
+            if role not in self.drain_waiting:
+                self.drain_waiting.add(role)
+                self.events.write("drain-waiting", role=role, reason="no warm standby yet; waiting for the pool to refill")
+            self.drain_queue.insert(0, role)
             return
+        self.drain_waiting.discard(role)
         g = self.roster.generation
         slot = self.pool.pop(0)
         joiner = self.members[slot]

@@ -17,7 +17,7 @@ from pitstop.launch.runs import run_job, wait_for_step
 from pitstop.runtime.faults import Fault
 
 
-def run_demo(steps: int = 12, run_dir: str = "runs/demo") -> int:
+def run_demo(steps: int = 80, run_dir: str = "runs/demo") -> int:
     base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
     print(f"pitstop demo: world 8 (tp2 pp2 dp2) Megatron-Core GPT on CPU, {steps} steps; runs in {base}", flush=True)
     print("  [1/2] uninterrupted run ...", flush=True)
@@ -25,14 +25,14 @@ def run_demo(steps: int = 12, run_dir: str = "runs/demo") -> int:
     if ref.code != 0:
         print(ref.tails())
         return 1
-    drain_after = max(2, steps // 2)
+    drain_after = 6
     kill = Fault.kill(rank=5).at(step=min(3, steps), phase="backward")
     print(f"  [2/2] pitstop run: kill rank 5 at step {kill.step} ({kill.phase}), drain rank 2 after step {drain_after} ...",
           flush=True)
 
     def drain(d: Path) -> None:
         wait_for_step(d, drain_after)
-        request_drain(d, rank=2)
+        request_drain(d, rank=2)  # waits in the controller until the refilled standby is warm
 
     res = run_job(base / "pitstop", steps, standby=1, faults=kill.spec(), during=drain)
     if res.code != 0:
