@@ -581,7 +581,7 @@ class GuardedGroup(dist.ProcessGroup):
         self.fence = fence
         self._name = name
         self._backend = inner.name()
-        self._aborted = False
+        self._marked = False
 
     def getBackendName(self) -> str:  # noqa: N802
         return self._backend
@@ -592,11 +592,11 @@ class GuardedGroup(dist.ProcessGroup):
 
     @property
     def broken(self) -> bool:
-        return self._name in self.fence.broken or self._aborted
+        return self._name in self.fence.broken or self._marked
 
     def mark_broken(self) -> None:
         """Waits on this group give up (see :class:`Fence`); set when its fault is announced."""
-        self._aborted = True
+        self._marked = True
         self.fence.broken[self._name] = self
 
     def failed(self, what: str, exc: BaseException) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from pitstop.launch.controller import request_drain
 from pitstop.runtime.faults import Fault
-from pitstop.launch.runs import GPT, ROOT, run_job, wait_for_step
+from pitstop.launch.runs import ROOT, run_job, wait_for_step
 
 STEPS = 10
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

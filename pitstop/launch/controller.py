@@ -24,7 +24,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -388,8 +388,7 @@ class Controller:
                 return []
             return [r]
         host = req.get("host")
-        roles = [r for r, p in enumerate(self.roster.roles)] if self.roster else []
-        roles = [r for r in roles if self.roster.roles[r].host == host]
+        roles = [r for r, p in enumerate(self.roster.roles) if p.host == host] if self.roster else []
         if not roles:
             self.events.write("drain-refused", reason=f"no role runs on host {host!r}")
         return roles

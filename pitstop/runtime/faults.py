@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from pitstop.errors import ConfigError
 

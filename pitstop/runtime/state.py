@@ -13,7 +13,6 @@ copy costs one pack, not two.
 
 from __future__ import annotations
 
-import io
 import pickle
 import random
 from dataclasses import dataclass

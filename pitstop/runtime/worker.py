@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 import torch.distributed as dist
 
 from pitstop.errors import AuthError, PitstopError
-from pitstop.launch.jobtoken import ENV_TOKEN, mac, token_from_env
+from pitstop.launch.jobtoken import mac, token_from_env
 from pitstop.pg import init_world
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig
@@ -182,13 +182,12 @@ def join() -> Membership:
         assignment = {}
         role, gen = int(os.environ["RANK"]), int(os.environ.get(ENV_GENERATION, 0))
         mode = "restart" if os.environ.get(ENV_RESUME) else "worker"
-    joiner = mode in ("recover", "drain")
-    init_world(store, role, world, timeout, epoch=epoch, detached=joiner)
-    if joiner:  # builds its role without talking to anyone until the session takes its state
+    _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb)
+    init_world(store, role, world, timeout, epoch=epoch, detached=_CURRENT.joiner)
+    if _CURRENT.joiner:  # builds its role without talking to anyone until the session takes its state
         from pitstop.pg import FENCE
 
         FENCE.local = True
-    _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb)
     return _CURRENT
 
 
