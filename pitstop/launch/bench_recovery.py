@@ -93,7 +93,8 @@ def bench_faults(steps: int = 10, run_dir: str = "runs/bench-faults") -> Dict[st
     cells = []
     for phase in PHASES:
         faults = Faults(Fault.kill(rank).at(step=2 + 2 * i, phase=phase) for i, rank in enumerate(MATRIX_ROLES.values()))
-        res = run_job(base / phase, steps, standby=len(MATRIX_ROLES), faults=faults.spec())
+        res = run_job(base / phase, steps, standby=len(MATRIX_ROLES), faults=faults.spec(),
+                      launch_args=["--heartbeat-timeout", "10"])  # 12 processes on few cores: no false hangs
         identical = _identical(res, ref)
         replaced = {e["role"]: e for e in res.of("replaced")}
         for name, rank in MATRIX_ROLES.items():
