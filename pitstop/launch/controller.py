@@ -250,6 +250,10 @@ class Controller:
         if p.exit == "0":
             self.finished.add(role)
             if len(self.finished) == self.spec.world_size:
+                self._progress()
+                for ch in list(self.pending):  # a switch at the very last boundary has no step after it
+                    self.pending.remove(ch)
+                    self._complete(ch, None)
                 self.events.write("done", generation=self.roster.generation if self.roster else None)
                 self.exit_code = 0
             return
@@ -442,7 +446,8 @@ class Controller:
                 self.pending.remove(ch)
                 self._complete(ch, float(t))
 
-    def _complete(self, ch: Dict[str, Any], t_commit: float) -> None:
+    def _complete(self, ch: Dict[str, Any], t_commit: Optional[float]) -> None:
+        """Write the change's event; ``t_commit`` is None when the job ended before a step after it."""
         g = ch["generation"]
         timings = {}
         for r in range(self.spec.world_size):
@@ -453,7 +458,8 @@ class Controller:
             if self.store.check([keys.timing(g, who)]):
                 timings[who] = json.loads(self.store.get(keys.timing(g, who)))
         stayers = [v for k, v in timings.items() if k.startswith("r")]
-        ready = max([v.get("ready", 0) for v in timings.values()] or [t_commit])
+        ready = max([v.get("ready", 0) for v in timings.values()] or [t_commit or 0.0])
+        after = (lambda t0: None if t_commit is None else round(t_commit - t0, 4))
         ev: Dict[str, Any] = {"role": ch.get("role"), "generation": g, "step": ch["step"],
                               "old": ch.get("old"), "new": ch.get("new")}
         if ch["kind"] == "unplanned":
@@ -463,8 +469,8 @@ class Controller:
                 plan_s=round(ch["planned"] - ch["detected"], 4),
                 groups_s=round(max([v.get("groups_s", 0) for v in stayers] or [0]), 4),
                 state_s=round(max([v.get("state_s", 0) for v in stayers] + [timings.get("joiner", {}).get("state_s", 0)]), 4),
-                first_step_s=round(t_commit - ready, 4),
-                downtime_s=round(t_commit - start, 4),
+                first_step_s=after(ready),
+                downtime_s=after(start),
                 rebuilt=max([v.get("rebuilt", 0) for v in stayers] or [0]),
                 ranks_rebuilding=sum(1 for v in stayers if v.get("groups_s", 0) and v.get("rebuilt")),
                 reason=ch["reason"],
@@ -477,12 +483,12 @@ class Controller:
                 pause_s=j.get("pause_s"),
                 groups_s=round(max([v.get("switch_s", 0) for v in stayers] or [0]), 4),
                 state_s=j.get("recv_s"),
-                first_step_s=round(t_commit - ready, 4),
+                first_step_s=after(ready),
             )
             self.events.write("drained", **ev)
         else:
             start = ch["fired"] or ch["detected"]
-            ev.update(downtime_s=round(t_commit - start, 4), reason=ch["reason"])
+            ev.update(downtime_s=after(start), reason=ch["reason"])
             self.events.write("restarted", **ev)
 
 
