@@ -100,7 +100,9 @@ def init_distributed(args: argparse.Namespace) -> None:
     if args.groups == "pitstop":
         from pitstop.integrations.megatron import init_distributed as join, runtime_config
 
-        join(runtime_config(args))  # a standby returns from here once it has a role
+        # a standby returns from here once it has a role; while it waits, pitstop runs
+        # sandbox_iteration for each pipeline stage kind, so its first real step is warm
+        join(runtime_config(args), warmup=partial(sandbox_iteration, args))
     else:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
@@ -401,11 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             megatron_cpu.revert()
 
 
-def _run(args: argparse.Namespace, t0: float) -> int:
-    init_distributed(args)
+def setup(args: argparse.Namespace):
+    """The start of a run: groups, seed, model, optimizer, data. Returns (model, optimizer, make_data)."""
     init_model_parallel(args)
     set_seed(args.seed)
-
     model = build_model(args)
     optimizer = build_optimizer(args, model)
     setup_model_config(model, optimizer)
@@ -414,6 +415,24 @@ def _run(args: argparse.Namespace, t0: float) -> int:
 
     def make_data(step: int):  # the data position of a step: resume and rollback start here
         return build_data_iterator(args, gbs * (step - 1), dataset)
+
+    return model, optimizer, make_data
+
+
+def sandbox_iteration(args: argparse.Namespace) -> dict[str, Any]:
+    """pitstop's warmup of a standby: this script's start and step 1, for the role the sandbox
+    plays (its collectives are answered from a record of a real rank; nothing leaves the process)."""
+    model, optimizer, make_data = setup(args)
+    t = time.perf_counter()
+    out = train_step(args, model, optimizer, make_data(1))
+    out["iter_s"] = round(time.perf_counter() - t, 4)
+    destroy_model_parallel(args)
+    return out
+
+
+def _run(args: argparse.Namespace, t0: float) -> int:
+    init_distributed(args)
+    model, optimizer, make_data = setup(args)
 
     if args.groups == "pitstop":
         from pitstop.integrations.megatron import session as pitstop_session

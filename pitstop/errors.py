@@ -64,3 +64,27 @@ class AuthError(PitstopError, PermissionError):
 
 class RecoveryError(PitstopError, RuntimeError):
     """A roster change could not be carried out (no standby, a lost buddy copy, ...)."""
+
+
+class RecordMismatchError(GroupError):
+    """A sandboxed operation does not match the record it is served from (op, shapes or
+    dtypes differ, or the record has run out): the record belongs to another model or layout."""
+
+
+class EmulationError(PitstopError):
+    """Emulation at target scale cannot go on: a bad topology, trace or execution graph."""
+
+
+class TopologyError(EmulationError, ValueError):
+    """A network topology file with a missing, unknown or out-of-range key, e.g.
+    ``intra_node.alpha_s(-1.0) must be a finite number >= 0 (seconds)``."""
+
+
+class TraceError(EmulationError, ValueError):
+    """A trace or execution graph that does not fit the layout, e.g. a missing role class
+    or a collective on a group kind the rank does not belong to."""
+
+
+class ReplayError(EmulationError, RuntimeError):
+    """The replay cannot finish: ranks wait on each other forever, or the members of one
+    collective disagree on its operation or size."""

@@ -143,7 +143,7 @@ class GroupRegistry:
         group = pgmod.new_comm(ranks, self.backend, store, self._name(kind, ranks, gen), self.timeout, kind, self.fence)
         gloo = None
         if self.gloo_twins and kind in GLOO_TWIN_KINDS:
-            gloo = group if self.backend == "gloo" else pgmod.new_comm(
+            gloo = group if self.backend in ("gloo", "pitstop_virtual") else pgmod.new_comm(
                 ranks, "gloo", store, self._name(kind, ranks, gen, "+gloo"), self.timeout, kind + "+gloo", self.fence
             )
         return Entry((kind, ranks, gen), group, "comm", gloo)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,17 @@ from torch.distributed import distributed_c10d as c10d
 from pitstop.errors import GroupError
 
 WORLD_BACKEND = "pitstop_world"
+
+#: A hook that sees every operation of every guarded group and of the world group:
+#: ``TAP(kind, what, args)`` is called as an operation is issued and may return a
+#: callable, called once the operation has completed. The warmup recorder
+#: (:mod:`pitstop.emulation.record`) sets it for one iteration; otherwise it is None
+#: and costs one attribute test per operation.
+TAP: Optional[Callable[[str, str, tuple], Optional[Callable[[], None]]]] = None
+
+
+def _tapped(kind: str, what: str, args: tuple) -> Optional[Callable[[], None]]:
+    return TAP(kind, what, args) if TAP is not None else None
 
 
 class DoneWork(dist._Work):
@@ -93,7 +104,7 @@ def new_comm(
     c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
     if fence is None:
         return pg
-    guarded = GuardedGroup(pg, ranks.index(me), len(ranks), name, fence)
+    guarded = GuardedGroup(pg, ranks.index(me), len(ranks), name, fence, kind=desc)
     guarded.raw = pg
     register_python_group(guarded, name, ranks, desc)
     return guarded
@@ -236,10 +247,18 @@ class StoreWorldGroup(dist.ProcessGroup):
         return out
 
     # --- collectives -----------------------------------------------------------
+    def _tap(self, what: str, args: tuple) -> None:
+        """Show a completed world operation to :data:`TAP` (the warmup recorder)."""
+        cb = _tapped("world", what, args)
+        if cb is not None:
+            cb()
+
     def barrier(self, opts=None):  # noqa: ARG002
         if self.detached:
             self._next()
             return DoneWork()
+        if TAP is not None:
+            self._tap("barrier", ())
         op = self._next()
         if self._store.add(f"{op}/n", 1) == self.size():
             self._store.set(f"{op}/go", b"1")  # the last to arrive opens the gate
@@ -261,6 +280,8 @@ class StoreWorldGroup(dist.ProcessGroup):
             t.copy_(acc)
             self._record(op, [t])
             self._finish(op, [f"{op}/{r}" for r in range(self.size())])
+        if TAP is not None and not self.detached:
+            self._tap("allreduce", (tensors,))
         return DoneWork(list(tensors))
 
     def broadcast(self, tensors, opts=None):
@@ -277,6 +298,8 @@ class StoreWorldGroup(dist.ProcessGroup):
             t.copy_(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
             self._record(op, [t])
             self._finish(op, [f"{op}/root"])
+        if TAP is not None and not self.detached:
+            self._tap("broadcast", (tensors,))
         return DoneWork(list(tensors))
 
     def allgather(self, output_tensors, input_tensors, opts=None):  # noqa: ARG002
@@ -289,6 +312,8 @@ class StoreWorldGroup(dist.ProcessGroup):
                 o.copy_(p)
             self._record(op, list(outs))
             self._finish(op, [f"{op}/{r}" for r in range(self.size())])
+        if TAP is not None and not self.detached:
+            self._tap("allgather", (output_tensors, input_tensors))
         return DoneWork([o for outs in output_tensors for o in outs])
 
     def _no_replay(self, what: str) -> None:
@@ -333,6 +358,8 @@ class StoreWorldGroup(dist.ProcessGroup):
         output.copy_(torch.cat([p.reshape(-1) for p in parts]).view(output.shape))
         self._record(op, [output])
         self._finish(op, [f"{op}/{r}" for r in range(self.size())])
+        if TAP is not None:
+            self._tap("_allgather_base", (output, input))
         return DoneWork([output])
 
 
@@ -498,9 +525,10 @@ class GuardedWork(dist._Work):
     """A real communicator's work, behind the fence (see :class:`Fence`)."""
 
     def __init__(self, inner: Optional[dist._Work], group: "GuardedGroup", what: str,
-                 result: Optional[List[torch.Tensor]] = None) -> None:
+                 result: Optional[List[torch.Tensor]] = None, on_done: Optional[Callable[[], None]] = None) -> None:
         super().__init__()
         self._inner = inner
+        self._on_done = on_done
         self._group = group
         self._what = what
         self._result = result or []
@@ -512,6 +540,14 @@ class GuardedWork(dist._Work):
         if self._inner is None:
             return True
         inner, self._inner = self._inner, None
+        ok = self._wait(inner, timeout)
+        if self._on_done is not None and not self._group.broken:
+            self._on_done()
+        return ok
+
+    def _wait(self, inner: dist._Work, timeout: timedelta | None) -> bool:
+        if isinstance(inner, DoneWork):  # a Python group answered synchronously (virtual, world)
+            return True
         # c10d passes timedelta(0) for "no timeout" (kNoTimeout)
         deadline = None if not timeout else time.monotonic() + timeout.total_seconds()
         p2p = self._what in _P2P
@@ -575,9 +611,12 @@ class GuardedGroup(dist.ProcessGroup):
     once. Groups that are not broken behave exactly like the inner group.
     """
 
-    def __init__(self, inner: dist.ProcessGroup, rank: int, size: int, name: str, fence: Fence = FENCE) -> None:
+    def __init__(self, inner: dist.ProcessGroup, rank: int, size: int, name: str, fence: Fence = FENCE,
+                 kind: str = "") -> None:
         super().__init__(rank, size)
         self.inner = inner
+        self.kind = kind.split("+")[0]
+        """The layout's group kind (``tp``, ``dp``, ...); a gloo twin shares its group's kind."""
         self.fence = fence
         self._name = name
         self._backend = inner.name()
@@ -607,12 +646,13 @@ class GuardedGroup(dist.ProcessGroup):
     def _call(self, what: str, args, kwargs):
         if self.fence.local or (self.broken and self.fence.armed):
             return GuardedWork(None, self, what)
+        tap = _tapped(self.kind, what, args) if TAP is not None else None
         try:
             work = getattr(self.inner, what)(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001
             self.failed(what, exc)
             return GuardedWork(None, self, what)
-        return GuardedWork(work, self, what, _outputs(what, args))
+        return GuardedWork(work, self, what, _outputs(what, args), on_done=tap)
 
     def shutdown(self) -> None:
         try:

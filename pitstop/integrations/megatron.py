@@ -262,6 +262,12 @@ def initialize_model_parallel(
         order=order,
         vpp=virtual_pipeline_model_parallel_size,
     )
+    from pitstop.runtime import sandbox
+
+    if sandbox.active() is not None:  # a standby's warmup: every group is virtual, answered from the record
+        from pitstop.emulation.virtual import VIRTUAL_BACKEND
+
+        backend = VIRTUAL_BACKEND
     reg = GroupRegistry(
         layout,
         store if store is not None else c10d._get_default_store(),
@@ -270,6 +276,7 @@ def initialize_model_parallel(
         timeout=timedelta(minutes=distributed_timeout_minutes),
         gloo_twins=create_gloo_process_groups,
     )
+    sandbox.maybe_start_recording(layout, dist.get_rank())
     reg.build()
     install(reg, create_gloo_process_groups)
     return reg
@@ -315,6 +322,8 @@ def add_pitstop_args(parser):
     g.add_argument("--pitstop-save-interval", type=int, default=env.save_interval, metavar="K",
                    help="dist_checkpointing save every K steps, the no-standby fallback (0: off)")
     g.add_argument("--pitstop-save-dir", default=env.save_dir, metavar="DIR", help="checkpoint directory")
+    g.add_argument("--pitstop-no-warmup", dest="pitstop_warmup", action="store_false", default=env.warmup,
+                   help="no record of iteration 1, no sandboxed standby warmup (standbys join cold)")
     return parser
 
 
@@ -329,18 +338,21 @@ def runtime_config(args) -> "Any":
         buddy=args.pitstop_buddy,
         save_interval=args.pitstop_save_interval,
         save_dir=args.pitstop_save_dir,
+        warmup=args.pitstop_warmup,
     )
 
 
-def init_distributed(config=None):
+def init_distributed(config=None, warmup=None):
     """Join the job (authenticate, take a role, start the world group): call instead of
-    ``torch.distributed.init_process_group``. A standby returns once it has a role."""
+    ``torch.distributed.init_process_group``. A standby returns once it has a role.
+
+    ``warmup``: a function that repeats the script's start for whatever role the
+    sandbox plays (build the model parallel groups, model, optimizer and data, run one
+    training step, tear down) and returns that step's outputs. A standby runs it
+    before it is needed, so its first real iteration runs at full speed."""
     from pitstop.runtime import worker
 
-    m = worker.join()
-    if config is not None:
-        m.config = config
-    return m
+    return worker.join(config, warmup)
 
 
 def session(model, optimizer, make_data, **kw):

@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S")
     la.add_argument("--collective-timeout", type=float, default=120.0, metavar="S")
     la.add_argument("--no-buddy", action="store_true", help="no CPU buddy copy of optimizer shards")
+    la.add_argument("--no-warmup", action="store_true",
+                    help="no record of iteration 1 and no sandboxed warmup: standbys join cold")
     la.add_argument("--save-interval", type=int, default=0, metavar="K",
                     help="dist_checkpointing save every K steps: the fallback when no standby is left (0: off)")
     la.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
@@ -124,7 +126,7 @@ def _launch(args) -> int:
         script = script[1:]
     cfg = RuntimeConfig(
         heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
-        collective_timeout_s=args.collective_timeout, buddy=not args.no_buddy, save_interval=args.save_interval,
+        collective_timeout_s=args.collective_timeout, buddy=not args.no_buddy, warmup=not args.no_warmup, save_interval=args.save_interval,
     )
     import os
 

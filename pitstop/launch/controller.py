@@ -116,6 +116,9 @@ class Controller:
         self.sb_count = 0
         self.finished: set = set()
         self.exit_code: Optional[int] = None
+        self.recorded: set = set()                    # role classes whose warmup record was published
+        self.warm_seen: set = set()                   # standby slots whose warmup report was logged
+        self._warm_check = 0.0
         (self.run_dir / CONTROLLER).write_text(json.dumps({"host": self.host, "port": self.port, "pid": os.getpid()}))
 
     # ------------------------------------------------------------------ processes
@@ -161,6 +164,7 @@ class Controller:
                 self._check_heartbeats()
                 self._check_drain_requests()
                 self._progress()
+                self._watch_warmup()
                 time.sleep(0.01)
         finally:
             self.store.set(keys.DONE, "1")
@@ -435,6 +439,26 @@ class Controller:
                                  "old": d["old"], "new": d["new"], "requested": d["t0"], "ready_at": d.get("ready"),
                                  "switch_at": float(t_switch)})
             self.draining = None
+
+    # ------------------------------------------------------------------ warmup
+    def _watch_warmup(self) -> None:
+        """Log the records that workers publish and the warmups that standbys report."""
+        now = time.monotonic()
+        if now - self._warm_check < 0.25:
+            return
+        self._warm_check = now
+        for cls in ("only", "first", "middle", "last"):
+            if cls not in self.recorded and self.store.check([keys.record(cls)]):
+                self.recorded.add(cls)
+                self.events.write("recorded", **json.loads(self.store.get(keys.record(cls))))
+        for slot in list(self.members):
+            if slot not in self.warm_seen and self.store.check([keys.warm(slot)]):
+                self.warm_seen.add(slot)
+                rep = json.loads(self.store.get(keys.warm(slot)))
+                self.events.write("warmed", slot=slot, pid=rep["pid"], ok=rep["ok"], stopped=rep["stopped"],
+                                  rss_bytes=rep["rss_bytes"],
+                                  classes=[{k: r[k] for k in ("cls", "role", "ok", "seconds", "ops", "error", "out")}
+                                           for r in rep["results"]])
 
     # ------------------------------------------------------------------ completing events
     def _progress(self) -> None:

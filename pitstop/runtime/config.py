@@ -36,6 +36,9 @@ class RuntimeConfig:
     fallback when no standby is left."""
     save_dir: str = ""
     """Where checkpoints go (default: ``<run-dir>/checkpoints``)."""
+    warmup: bool = True
+    """Record each role class's first iteration at job start, and let standbys run a
+    sandboxed iteration of every stage kind from those records before they are needed."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

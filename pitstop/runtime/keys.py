@@ -57,3 +57,14 @@ def timing(g: int, who: str) -> str:       # JSON timings a worker reports for t
 
 def drain_payload(n: int) -> str:
     return f"ctl/drain/request/{n}"
+
+
+def record(cls: str) -> str:               # JSON {path, bytes, ops, role}: the warmup record of a role class
+    return f"ctl/record/{cls}"
+
+
+def warm(slot: int) -> str:                # JSON: what a standby's sandboxed warmup did
+    return f"ctl/warm/{slot}"
+
+
+RECORD_CLASSES = "ctl/record/classes"      # JSON list of the layout's role classes, set by the recorders

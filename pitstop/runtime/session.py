@@ -34,7 +34,7 @@ import torch.distributed as dist
 from pitstop import pg as pgmod
 from pitstop.errors import PitstopError, RecoveryError
 from pitstop.plan import plan_replace
-from pitstop.runtime import keys, state
+from pitstop.runtime import keys, sandbox, state
 from pitstop.runtime.faults import Fault
 from pitstop.runtime.swap import swap_groups
 from pitstop.runtime.worker import Membership, require_current
@@ -139,10 +139,14 @@ class Session:
             self._committed = True
             return True
         t0 = time.perf_counter()
-        pending, received = self._take_and_exchange(step)
+        recording = sandbox.recording()
+        with sandbox.paused():
+            pending, received = self._take_and_exchange(step)
         poisoned = self.fence.poisoned
         self.fence.armed = False
         verdict = self._vote(step, poisoned)
+        if recording:  # the record of iteration 1 is complete (kept only if the step was)
+            sandbox.finish_recording(self.store, verdict in ("ok", "switch"), self.layout)
         if verdict in ("ok", "switch"):
             self._spare = [self.snap.data if self.snap else None, self.buddy.data if self.buddy else None]
             self.snap = pending
@@ -388,7 +392,8 @@ class Session:
             self.data = self.make_data(self.first_step)
             # the first rollback point and buddy copy: the state before the first step
             self.step = self.first_step - 1
-            self.snap, self.buddy = self._take_and_exchange(self.first_step - 1)
+            with sandbox.paused():  # pitstop's own exchange is not part of the script's iteration
+                self.snap, self.buddy = self._take_and_exchange(self.first_step - 1)
 
     def _start_recover(self) -> None:
         """A joiner for a failed role: shard from the buddy, parameters from the all-gather."""

@@ -145,11 +145,14 @@ def _setup_logging() -> None:
         lg.propagate = False
 
 
-def join() -> Membership:
+def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], dict]] = None) -> Membership:
     """Become a member of the job described by the environment, and initialise torch.distributed.
 
     Returns the membership; a standby returns only once it has a role. A standby
     that is dismissed at the end of the job exits the process with status 0.
+    ``warmup`` is the script's set-up plus one training step: while it waits, a
+    standby runs it once per pipeline stage kind inside the sandbox
+    (:mod:`pitstop.runtime.sandbox`). ``config`` overrides the environment's settings.
     """
     global _CURRENT
     _setup_logging()
@@ -157,7 +160,7 @@ def join() -> Membership:
     import signal
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
-    cfg = RuntimeConfig.from_env()
+    cfg = config if config is not None else RuntimeConfig.from_env()
     world = int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=cfg.collective_timeout_s)
     if os.environ.get(ENV_CONTROLLER) != "1":
@@ -171,6 +174,13 @@ def join() -> Membership:
     hb = Heartbeat(slot, cfg.heartbeat_interval_s).start()
     epoch = int(os.environ.get(ENV_EPOCH, 0))
     if standby:
+        if warmup is not None and cfg.warmup:
+            from pitstop.runtime import sandbox
+
+            def interrupted() -> bool:
+                return store.check([keys.assign(slot)]) or store.check([keys.DONE])
+
+            sandbox.warm_up(store, slot, warmup, interrupted=interrupted, timeout_s=cfg.collective_timeout_s * 5)
         log.info("[standby %d] warm and waiting for a role", slot)
         assignment = _wait_assignment(store, slot)
         if assignment is None:

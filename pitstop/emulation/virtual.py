@@ -1,0 +1,137 @@
+"""The virtual process-group backend: a group whose peers have no process behind them.
+
+Every operation of a :class:`VirtualGroup` is answered by an *oracle*, in the calling
+thread, with nothing sent anywhere. The oracle decides what the peers' contributions
+were: the warmup sandbox replays the values a real rank recorded
+(:class:`pitstop.emulation.record.ReplayOracle`); emulation synthesises them. The
+group plugs in behind torch.distributed's backend interface, so Megatron, DeepSpeed
+and pitstop's own registry create it exactly as they create a gloo group::
+
+    dist.init_process_group("pitstop_virtual", store=HashStore(), rank=5, world_size=8)
+    registry = GroupRegistry(layout, store, backend="pitstop_virtual")   # no peer, no network
+
+The oracle in charge is the one installed with :func:`serving` when the group is
+created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from pitstop.errors import GroupError
+from pitstop.pg import DoneWork, _outputs
+
+VIRTUAL_BACKEND = "pitstop_virtual"
+
+
+class Oracle(Protocol):
+    """Answers the operations of virtual groups."""
+
+    def serve(self, kind: str, what: str, args: tuple) -> None:
+        """Fill the output tensors of operation ``what`` (a ProcessGroup method name) on a
+        group of ``kind``; ``args`` are the method's positional arguments."""
+
+
+_ORACLE: Optional[Oracle] = None
+
+
+@contextlib.contextmanager
+def serving(oracle: Oracle) -> Iterator[Oracle]:
+    """Virtual groups created inside this block are answered by ``oracle``."""
+    global _ORACLE
+    old, _ORACLE = _ORACLE, oracle
+    try:
+        yield oracle
+    finally:
+        _ORACLE = old
+
+
+def kind_of(group_name: str, ranks: List[int]) -> str:
+    """The layout kind of a group from its name (``pitstop:g0:tp+gloo:ab12`` -> ``tp``);
+    the default group (no explicit ranks) is ``world``."""
+    if not ranks or group_name in ("", "0", "default_pg"):
+        return "world"
+    parts = group_name.split(":")
+    base = parts[2] if len(parts) >= 4 and parts[0] == "pitstop" else group_name
+    return base.split("+")[0].split("~")[0]
+
+
+def _method(what: str):
+    def method(self: "VirtualGroup", *args, **kwargs):  # noqa: ARG001 - options carry nothing we need
+        self.oracle.serve(self.kind, what, args)
+        self.ops += 1
+        return DoneWork(_outputs(what, args) if what not in ("send", "barrier", "monitored_barrier") else [])
+
+    method.__name__ = what
+    return method
+
+
+class VirtualGroup(dist.ProcessGroup):
+    """A process group answered entirely by an :class:`Oracle` (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, kind: str, ranks: List[int], oracle: Oracle, name: str = "") -> None:
+        super().__init__(rank, size)
+        self._name = name or kind
+        self.kind = kind
+        self.ranks = list(ranks)
+        self.oracle = oracle
+        self.ops = 0
+        """How many operations this group has answered."""
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return VIRTUAL_BACKEND
+
+    def shutdown(self) -> None:
+        """Nothing to close."""
+
+    @property
+    def group_name(self) -> str:  # c10d keeps names on backends; a Python group has none
+        return self._name
+
+    allreduce = _method("allreduce")
+    allreduce_coalesced = _method("allreduce_coalesced")
+    allgather = _method("allgather")
+    _allgather_base = _method("_allgather_base")
+    allgather_coalesced = _method("allgather_coalesced")
+    allgather_into_tensor_coalesced = _method("allgather_into_tensor_coalesced")
+    reduce_scatter = _method("reduce_scatter")
+    _reduce_scatter_base = _method("_reduce_scatter_base")
+    reduce_scatter_tensor_coalesced = _method("reduce_scatter_tensor_coalesced")
+    broadcast = _method("broadcast")
+    reduce = _method("reduce")
+    gather = _method("gather")
+    scatter = _method("scatter")
+    alltoall = _method("alltoall")
+    alltoall_base = _method("alltoall_base")
+    send = _method("send")
+    recv = _method("recv")
+    recv_anysource = _method("recv_anysource")
+    barrier = _method("barrier")
+    monitored_barrier = _method("monitored_barrier")
+
+
+def _create(dist_opts, backend_opts) -> VirtualGroup:  # noqa: ARG001
+    if _ORACLE is None:
+        raise GroupError(
+            f"a {VIRTUAL_BACKEND} group ({dist_opts.group_id!r}) was created outside "
+            "pitstop.emulation.virtual.serving(oracle): nothing would answer its operations"
+        )
+    ranks = list(dist_opts.global_ranks_in_group)
+    name = str(dist_opts.group_id)
+    return VirtualGroup(dist_opts.group_rank, dist_opts.group_size, kind_of(name, ranks), ranks, _ORACLE, name)
+
+
+def register() -> str:
+    """Register the backend with torch.distributed (idempotent); returns its name."""
+    if VIRTUAL_BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(VIRTUAL_BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    return VIRTUAL_BACKEND
+
+
+def tensors_of(args: tuple) -> List[torch.Tensor]:
+    """Every tensor in an operation's first argument (its outputs, or a send's payload)."""
+    return _outputs("", args)
