@@ -68,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-file", default=None, help="append the per-step JSON lines here")
     p.add_argument("--checksum", action="store_true", help="print a parameter checksum per rank")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (parameter names unchanged; see compile_model)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--pitstop", dest="groups", action="store_const", const="pitstop", default="pitstop",
                    help="pitstop owns every process group (default)")
@@ -379,6 +381,15 @@ def param_checksum(model: list) -> str:
     return h.hexdigest()
 
 
+def _rss_bytes() -> int:
+    """Resident memory now (Linux), to compare a worker with a warmed standby."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def is_logging_rank() -> bool:
     from megatron.core import parallel_state
 
@@ -470,10 +481,15 @@ def _run(args: argparse.Namespace, t0: float) -> int:
             "rank": dist.get_rank(),
             "param_sha256": param_checksum(model),
             "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "rss_bytes": _rss_bytes(),
             "hook_s": round(session.hook_s, 4) if session else 0.0,
             "buddy_s": round(session.buddy_s, 4) if session else 0.0,
             "buddy_bytes": session.buddy.nbytes if session and session.buddy else 0,
             "steps_committed": session.steps_committed if session else args.steps,
+            # this process's first iteration against its median one: a joiner's warm-up cost
+            "first_iter_s": round(session.iter_s[0], 4) if session and session.iter_s else None,
+            "median_iter_s": round(sorted(session.iter_s[1:])[len(session.iter_s[1:]) // 2], 4)
+            if session and len(session.iter_s) > 1 else None,
         }), flush=True)
     if is_logging_rank():
         print(json.dumps({"done": True, "wall_s": round(time.perf_counter() - t0, 2)}), flush=True)

@@ -14,7 +14,7 @@ import pytest
 
 from pitstop.launch.controller import request_drain
 from pitstop.runtime.faults import Fault
-from pitstop.launch.runs import ROOT, run_job, wait_for_step
+from pitstop.launch.runs import ROOT, run_job, wait_for_event, wait_for_step
 
 STEPS = 10
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -29,9 +29,9 @@ def reference(tmp_path_factory):
     return res
 
 
-def assert_same_run(res, ref, first_step: int = 1) -> None:
+def assert_same_run(res, ref, first_step: int = 1, steps: int = STEPS) -> None:
     assert res.code == 0, res.tails()
-    for step in range(first_step, STEPS + 1):
+    for step in range(first_step, steps + 1):
         assert res.losses.get(step) == ref.losses[step], f"step {step}: {res.losses.get(step)} != {ref.losses[step]}\n{res.tails()}"
     assert res.checksums == ref.checksums, res.tails()
 
@@ -110,3 +110,60 @@ def test_no_standby_falls_back_to_the_checkpoint(reference, tmp_path):
     assert len(res.of("restarted")) == 1, res.tails()
     # steps 5.. were run again after the restart; every committed loss equals the uninterrupted run
     assert_same_run(res, reference)
+
+
+# --------------------------------------------------------------------------- warmed general standby
+#: PP 3 at world 6 (tp1 dp2): first stage ranks 0-1, middle 2-3, last 4-5.
+PP3 = ["examples/train_gpt.py", "--tp", "1", "--pp", "3", "--num-layers", "6", "--checksum"]
+PP3_STEPS = 9
+
+
+@pytest.fixture(scope="module")
+def reference_pp3(tmp_path_factory):
+    res = run_job(tmp_path_factory.mktemp("reference_pp3"), PP3_STEPS, nproc=6, gpt=PP3, launch_args=["--no-warmup"])
+    assert res.code == 0 and len(res.checksums) == 6, res.tails()
+    return res
+
+
+def test_warmed_general_standbys_take_first_middle_and_last_stage_roles(reference_pp3, tmp_path):
+    """Three standbys each replay a record of the first, middle and last stage; one of them is
+    killed during its warmup (the pool is refilled). Then a first-stage rank dies in the optimizer
+    step, the middle-stage recorder in the parameter all-gather and a last-stage rank in the backward
+    pass: warmed standbys take all three roles and the run stays bitwise identical."""
+    import json
+    import signal
+
+    faults = (Fault.kill(rank=1).at(step=3, phase="optimizer")
+              + Fault.kill(rank=2).at(step=5, phase="param-gather")
+              + Fault.kill(rank=5).at(step=7, phase="backward"))
+    victim = {}
+
+    def during(run_dir):
+        wait_for_event(run_dir, "recorded", n=3)
+        roster = json.loads((run_dir / "roster.json").read_text())
+        victim["pid"] = roster["standbys"][0]["pid"]
+        os.kill(victim["pid"], signal.SIGKILL)  # mid-warmup
+
+    res = run_job(tmp_path / "run", PP3_STEPS, standby=3, faults=faults.spec(), nproc=6, gpt=PP3,
+                  launch_args=["--hold-for-warm", "600"], during=during, timeout=900)
+    assert_same_run(res, reference_pp3, steps=PP3_STEPS)
+    replaced = res.of("replaced")
+    assert [e["role"] for e in replaced] == [1, 2, 5], res.tails()
+    assert all(e["warm"] for e in replaced), [(e["role"], e["warm"]) for e in replaced]
+    assert [e["pid"] for e in res.of("standby-lost")] == [victim["pid"]], res.tails()
+    assert {e["cls"] for e in res.of("recorded")} == {"first", "middle", "last"}
+
+    # the sandbox takes the real step's control path: the grad norm (and, on the last stage,
+    # the loss) of each sandboxed iteration are those of the real step 1, bit for bit
+    step1 = json.loads((reference_pp3.run_dir / "loss.jsonl").read_text().splitlines()[0])
+    warmed = [e for e in res.of("warmed") if e["ok"]]
+    assert len(warmed) >= 3, res.tails()
+    for e in warmed:
+        assert [c["cls"] for c in e["classes"]] == ["first", "middle", "last"], e
+        for c in e["classes"]:
+            assert c["out"]["grad_norm"] == step1["grad_norm"], (c, step1)
+            assert c["out"]["update_successful"] is True
+        assert float.hex(e["classes"][2]["out"]["loss"]) == step1["loss_hex"], (e["classes"][2], step1)
+    # a warmed standby holds no more memory than a worker
+    worker_rss = max(s["rss_bytes"] for s in res.stats)
+    assert all(e["rss_bytes"] <= worker_rss for e in warmed), ([e["rss_bytes"] for e in warmed], worker_rss)

@@ -324,6 +324,8 @@ def add_pitstop_args(parser):
     g.add_argument("--pitstop-save-dir", default=env.save_dir, metavar="DIR", help="checkpoint directory")
     g.add_argument("--pitstop-no-warmup", dest="pitstop_warmup", action="store_false", default=env.warmup,
                    help="no record of iteration 1, no sandboxed standby warmup (standbys join cold)")
+    g.add_argument("--pitstop-hold-for-warm", type=float, default=env.hold_for_warm_s, metavar="S",
+                   help="after step 1, hold training up to S s until every standby is warm (default %(default)s)")
     return parser
 
 
@@ -339,6 +341,7 @@ def runtime_config(args) -> "Any":
         save_interval=args.pitstop_save_interval,
         save_dir=args.pitstop_save_dir,
         warmup=args.pitstop_warmup,
+        hold_for_warm_s=args.pitstop_hold_for_warm,
     )
 
 

@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--no-buddy", action="store_true", help="no CPU buddy copy of optimizer shards")
     la.add_argument("--no-warmup", action="store_true",
                     help="no record of iteration 1 and no sandboxed warmup: standbys join cold")
+    la.add_argument("--hold-for-warm", type=float, default=0.0, metavar="S",
+                    help="after step 1, hold training up to S seconds until every standby is warm (default 0: don't)")
     la.add_argument("--save-interval", type=int, default=0, metavar="K",
                     help="dist_checkpointing save every K steps: the fallback when no standby is left (0: off)")
     la.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
@@ -67,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     fm = bsub.add_parser("faults", help="the full fault matrix (4 roles x 5 phases), each bitwise against an uninterrupted run")
     fm.add_argument("--json", action="store_true")
     fm.add_argument("--run-dir", default="runs/bench-faults")
+    w = bsub.add_parser("warmup", help="a joiner's first iteration, cold vs after the sandboxed warmup, eager and --compile")
+    w.add_argument("--json", action="store_true")
+    w.add_argument("--steps", type=int, default=60,
+                   help="steps per job: enough for the standby to finish its warmup while training runs")
+    w.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager,compiled")
+    w.add_argument("--run-dir", default="runs/bench-warmup")
     return p
 
 
@@ -99,6 +107,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             out = bench_faults(run_dir=args.run_dir)
             print(json.dumps(out) if args.json else json.dumps(out, indent=2))
             return 0
+        if args.cmd == "bench" and args.bench == "warmup":
+            from pitstop.launch.bench_warmup import bench_warmup
+
+            modes = [m for m in args.modes.split(",") if m]
+            bad = [m for m in modes if m not in ("eager", "compiled")]
+            if bad or not modes:
+                print(f"pitstop: error: --modes {args.modes!r}: expected a comma-separated subset of eager,compiled", file=sys.stderr)
+                return 2
+            out = bench_warmup(steps=args.steps, run_dir=args.run_dir, modes=modes)
+            print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+            return 0
         if args.cmd == "demo":
             from pitstop.launch.demo import run_demo
 
@@ -126,7 +145,7 @@ def _launch(args) -> int:
         script = script[1:]
     cfg = RuntimeConfig(
         heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
-        collective_timeout_s=args.collective_timeout, buddy=not args.no_buddy, warmup=not args.no_warmup, save_interval=args.save_interval,
+        collective_timeout_s=args.collective_timeout, buddy=not args.no_buddy, warmup=not args.no_warmup, hold_for_warm_s=args.hold_for_warm, save_interval=args.save_interval,
     )
     import os
 

@@ -119,6 +119,7 @@ class Controller:
         self.recorded: set = set()                    # role classes whose warmup record was published
         self.warm_seen: set = set()                   # standby slots whose warmup report was logged
         self._warm_check = 0.0
+        self.warm_all = False
         (self.run_dir / CONTROLLER).write_text(json.dumps({"host": self.host, "port": self.port, "pid": os.getpid()}))
 
     # ------------------------------------------------------------------ processes
@@ -236,6 +237,7 @@ class Controller:
         role = self._role_of_slot(slot) if slot is not None else None
         if slot is not None and slot in self.pool:
             self.pool.remove(slot)
+            self._publish_warm_pool()
             self._drop_standby(slot)
             self.events.write("standby-lost", slot=slot, pid=p.pid, exit=p.exit, log=self.agent.log_paths(p)["stderr"])
             if self.exit_code is None:
@@ -299,7 +301,7 @@ class Controller:
         if not self.pool:
             self._fallback(role, reason, step, t_detect, fired)
             return
-        slot = self.pool.pop(0)
+        slot = self._pick_standby()
         joiner = self.members[slot]
         fault = {"role": role, "generation": g + 1, "step": step, "joiner": joiner.info.describe()}
         self.store.set(keys.fault(g), json.dumps(fault))
@@ -315,7 +317,7 @@ class Controller:
         self._start_standby()  # keep the pool full: the next failure finds a warm standby too
         self.pending.append({"kind": "unplanned", "role": role, "generation": g + 1, "step": step,
                              "old": old.describe(), "new": joiner.info.describe(), "fired": fired,
-                             "detected": t_detect, "planned": t_plan, "reason": reason})
+                             "detected": t_detect, "planned": t_plan, "reason": reason, "warm": self._warm(slot)})
 
     def _resolve_step(self, g: int, fault: Dict[str, Any]) -> int:
         """The step that the failure discards: the first one without a verdict, settled atomically."""
@@ -410,13 +412,13 @@ class Controller:
             return
         self.drain_waiting.discard(role)
         g = self.roster.generation
-        slot = self.pool.pop(0)
+        slot = self._pick_standby()
         joiner = self.members[slot]
         self.store.set(keys.drain(g), json.dumps({"role": role, "generation": g + 1, "joiner": joiner.info.describe()}))
         self.store.set(keys.assign(slot), json.dumps({"role": role, "generation": g + 1, "mode": "drain", "from_generation": g}))
         leaver_slot = self.role_slots[role]
         self.draining = {"role": role, "gen": g, "slot": slot, "leaver": leaver_slot, "t0": time.time(),
-                         "old": self.roster.roles[role].describe(), "new": joiner.info.describe()}
+                         "old": self.roster.roles[role].describe(), "new": joiner.info.describe(), "warm": self._warm(slot)}
         self.events.write("drain-prepare", role=role, generation=g, joiner=joiner.info.describe())
         self._start_standby()
 
@@ -436,11 +438,30 @@ class Controller:
             self.role_slots[d["role"]] = d["slot"]
             self._write_roster()
             self.pending.append({"kind": "planned", "role": d["role"], "generation": g + 1, "step": int(step_s) + 1,
-                                 "old": d["old"], "new": d["new"], "requested": d["t0"], "ready_at": d.get("ready"),
+                                 "old": d["old"], "new": d["new"], "requested": d["t0"], "ready_at": d.get("ready"), "warm": d.get("warm"),
                                  "switch_at": float(t_switch)})
             self.draining = None
 
     # ------------------------------------------------------------------ warmup
+    def _warm(self, slot: int) -> bool:
+        """Did this standby finish its sandboxed warmup of every stage kind?"""
+        k = keys.warm(slot)
+        return self.store.check([k]) and bool(json.loads(self.store.get(k)).get("ok"))
+
+    def _pick_standby(self) -> int:
+        """Take a warmed standby if there is one, else the longest-waiting one."""
+        slot = next((s for s in self.pool if self._warm(s)), self.pool[0])
+        self.pool.remove(slot)
+        self._publish_warm_pool()
+        return slot
+
+    def _publish_warm_pool(self) -> None:
+        n = sum(1 for s in self.pool if self._warm(s))
+        if n:
+            self.store.set(keys.WARM_POOL, str(n))
+        else:
+            self.store.delete_key(keys.WARM_POOL)
+
     def _watch_warmup(self) -> None:
         """Log the records that workers publish and the warmups that standbys report."""
         now = time.monotonic()
@@ -459,6 +480,11 @@ class Controller:
                                   rss_bytes=rep["rss_bytes"],
                                   classes=[{k: r[k] for k in ("cls", "role", "ok", "seconds", "ops", "error", "out")}
                                            for r in rep["results"]])
+                self._publish_warm_pool()
+        if (not self.warm_all and len(self.pool) >= self.spec.standby
+                and all(s in self.warm_seen for s in self.pool)):
+            self.warm_all = True
+            self.store.set(keys.WARM_ALL, "1")
 
     # ------------------------------------------------------------------ completing events
     def _progress(self) -> None:
@@ -482,10 +508,20 @@ class Controller:
             if self.store.check([keys.timing(g, who)]):
                 timings[who] = json.loads(self.store.get(keys.timing(g, who)))
         stayers = [v for k, v in timings.items() if k.startswith("r")]
+        iters = {}
+        for r in range(self.spec.world_size):
+            k = keys.timing(g, f"it{r}")
+            if self.store.check([k]):
+                iters[r] = json.loads(self.store.get(k))
         ready = max([v.get("ready", 0) for v in timings.values()] or [t_commit or 0.0])
         after = (lambda t0: None if t_commit is None else round(t_commit - t0, 4))
         ev: Dict[str, Any] = {"role": ch.get("role"), "generation": g, "step": ch["step"],
                               "old": ch.get("old"), "new": ch.get("new")}
+        if iters:  # the joiner's first iteration against the stayers' steady one (same step, same job)
+            steady = sorted(v["steady_iter_s"] for r, v in iters.items() if r != ch.get("role") and v.get("steady_iter_s"))
+            first = iters.get(ch.get("role"), {}).get("first_iter_s")
+            ev.update(first_iter_s=first, steady_iter_s=steady[len(steady) // 2] if steady else None,
+                      warm=ch.get("warm"))
         if ch["kind"] == "unplanned":
             start = ch["fired"] or ch["detected"]
             ev.update(

@@ -49,12 +49,13 @@ class JobResult:
 
 def run_job(run_dir: Path, steps: int, standby: int = 0, faults: str = "", launch_args: Optional[List[str]] = None,
             during: Optional[Callable[[Path], None]] = None, timeout: float = 600,
-            script_args: Optional[List[str]] = None) -> JobResult:
-    """Launch, optionally act on the running job (``during(run_dir)``), wait for the end."""
+            script_args: Optional[List[str]] = None, nproc: int = 8, gpt: Optional[List[str]] = None) -> JobResult:
+    """Launch, optionally act on the running job (``during(run_dir)``), wait for the end.
+    ``gpt`` replaces the default script and layout (``GPT``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     loss_file = run_dir / "loss.jsonl"
-    cmd = PITSTOP + ["launch", "--nproc-per-node", "8", "--standby", str(standby), "--run-dir", str(run_dir)]
-    cmd += (launch_args or []) + ["--"] + GPT + ["--steps", str(steps), "--loss-file", str(loss_file)] + (script_args or [])
+    cmd = PITSTOP + ["launch", "--nproc-per-node", str(nproc), "--standby", str(standby), "--run-dir", str(run_dir)]
+    cmd += (launch_args or []) + ["--"] + (gpt or GPT) + ["--steps", str(steps), "--loss-file", str(loss_file)] + (script_args or [])
     env = dict(os.environ, PITSTOP_FAULT=faults)
     with open(run_dir / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -88,6 +89,27 @@ def collect(run_dir: Path, code: int) -> JobResult:
                 res.checksums[d["rank"]] = d["param_sha256"]
                 res.stats.append(d)
     return res
+
+
+def wait_for_event(run_dir: Path, kind: str, n: int = 1, timeout: float = 300) -> List[dict]:
+    """Block until the controller logged ``n`` events of ``kind``; returns them."""
+    ev = run_dir / "events.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ev.exists():
+            found = [d for d in (json.loads(l) for l in ev.read_text().splitlines() if l.strip()) if d.get("event") == kind]
+            if len(found) >= n:
+                return found
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} '{kind}' event(s) within {timeout}s in {run_dir}")
+
+
+def kill_role(run_dir: Path, role: int, sig: int = 9) -> int:
+    """Send a real signal to the process that plays ``role`` now (from roster.json); returns its pid."""
+    roster = json.loads((run_dir / "roster.json").read_text())
+    pid = int(roster["roles"][role]["pid"])
+    os.kill(pid, sig)
+    return pid
 
 
 def wait_for_step(run_dir: Path, step: int, timeout: float = 300) -> None:

@@ -39,6 +39,10 @@ class RuntimeConfig:
     warmup: bool = True
     """Record each role class's first iteration at job start, and let standbys run a
     sandboxed iteration of every stage kind from those records before they are needed."""
+    hold_for_warm_s: float = 0.0
+    """After the recorded first step, hold training up to this long until every standby
+    has finished its warmup (0: do not wait). For jobs that must not lose a worker to a
+    cold standby, and for deterministic tests and benchmarks."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -57,6 +61,8 @@ class RuntimeConfig:
                 f"collective_timeout_s, got {self.heartbeat_interval_s} < {self.heartbeat_timeout_s} "
                 f"< {self.collective_timeout_s}"
             )
+        if self.hold_for_warm_s < 0:
+            raise ConfigError(f"hold_for_warm_s({self.hold_for_warm_s}) must be >= 0 (0: do not wait)")
         if self.save_interval < 0:
             raise ConfigError(f"save_interval({self.save_interval}) must be >= 0 (0 disables checkpoints)")
 

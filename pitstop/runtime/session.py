@@ -79,6 +79,11 @@ class Session:
         """Seconds spent in :meth:`commit` on committed steps (the steady-state overhead)."""
         self.buddy_s = 0.0
         self.steps_committed = 0
+        self.iter_s: List[float] = []
+        """This rank's committed iterations, in seconds (loop body, without the boundary)."""
+        self._t_step = 0.0
+        self._new_gen = self.m.joiner
+        """The next committed step is this process's first in a new generation: report its time."""
         faults = Fault.from_env() if (self.m.mode == "worker" and self.m.epoch == 0) else []
         self.faults = [f for f in faults if f.rank == self.rank]
         if self.faults:
@@ -110,6 +115,25 @@ class Session:
         i = ranks.index(r)
         return ranks[(i + 1) % len(ranks)], ranks[(i - 1) % len(ranks)]
 
+    def _hold_for_warm(self) -> None:
+        """Wait (bounded) until every standby has replayed the record this step produced."""
+        t0 = time.perf_counter()
+        deadline = t0 + self.cfg.hold_for_warm_s
+        while not self.store.check([keys.WARM_ALL]) and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        self._info("held %.2fs for the standbys' warmup (%s)", time.perf_counter() - t0,
+                   "done" if self.store.check([keys.WARM_ALL]) else "timed out; going on")
+
+    def _report_iteration(self, iter_s: float) -> None:
+        """This rank's time for the first step of a generation, and its steady time before it."""
+        import statistics
+
+        recent = self.iter_s[-8:]
+        steady = statistics.median(recent) if recent else None
+        self.store.set(keys.timing(self.gen, f"it{self.rank}"), json.dumps({
+            "first_iter_s": round(iter_s, 4), "steady_iter_s": None if steady is None else round(steady, 4),
+            "joiner": self.m.joiner and self.steps_committed == 0}))
+
     def _report(self, gen: int, who: str, **timings: float) -> None:
         self.store.set(keys.timing(gen, who), json.dumps({k: round(v, 4) for k, v in timings.items()}))
 
@@ -124,6 +148,7 @@ class Session:
             self._committed = None
             self.fence.reset()
             self.fence.armed = self.controlled
+            self._t_step = time.perf_counter()
             yield step
             if self._committed is None:
                 raise PitstopError(f"{self.prefix()} the loop body must call session.commit({step})")
@@ -139,6 +164,9 @@ class Session:
             self._committed = True
             return True
         t0 = time.perf_counter()
+        iter_s = t0 - self._t_step
+        if self._new_gen:  # the first step after a roster change: is the joiner up to speed?
+            self._report_iteration(iter_s)
         recording = sandbox.recording()
         with sandbox.paused():
             pending, received = self._take_and_exchange(step)
@@ -153,12 +181,17 @@ class Session:
             if received is not None:
                 self.buddy = received
             self.steps_committed += 1
+            self.iter_s.append(iter_s)
+            self._new_gen = False
             self.hook_s += time.perf_counter() - t0
             self.registry.reap()
             if self.cfg.save_interval and step % self.cfg.save_interval == 0:
                 self._save(step)
             if verdict == "switch":
                 self._switch(step)
+            if self.cfg.warmup and self.cfg.hold_for_warm_s and self.m.mode == "worker" and self.m.epoch == 0 \
+                    and self.steps_committed == 1:
+                self._hold_for_warm()
             self._committed = True
             return True
         self._info("step discarded (%s)", verdict[:120])
@@ -273,6 +306,7 @@ class Session:
         swapped = swap_groups([self.model, self.optimizer], mapping)
         integ.install(self.registry)
         self.gen = self.registry.generation
+        self._new_gen = True
         return report, swapped
 
     def _recover(self, step: int) -> None:
@@ -453,7 +487,13 @@ class Session:
 
         def fire(phase: str) -> None:
             for f in self.faults:
-                if self.step == f.step and phase == f.phase:
+                if phase != f.phase:
+                    continue
+                if f.warm:  # the first step >= f.step at which a warmed standby waits
+                    due = self.step >= f.step and self.store.check([keys.WARM_POOL])
+                else:
+                    due = self.step == f.step
+                if due:
                     self.store.set(keys.FAULT_FIRED, f"{time.time():.6f}")
                     self._info("fault injector: signal %s in phase %s", f.sig, phase)
                     f.fire()

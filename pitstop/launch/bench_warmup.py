@@ -1,0 +1,86 @@
+"""``pitstop bench warmup``: how fast is a joiner's first iteration, cold and after the sandbox?
+
+Four runs of the same world-8 job, in one invocation, eager and ``--compile``:
+
+    cold   --no-warmup: no record, the standby waits idle, then builds and runs its role
+    warm   default:     rank 0 / 4 record iteration 1, the standby replays each stage kind
+
+In each, the fault injector SIGKILLs role 5 (last pipeline stage) in the forward pass
+of step 3 (warm: of the first step >= 3 at which the standby has finished its
+warmup, ``Fault.once_warm``), and a standby takes over. The controller's
+``replaced`` event carries the joiner's first iteration and the stayers' steady
+iteration time measured in the same job, so every ratio compares two numbers of one
+run on the same noisy machine.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from pitstop.launch.runs import JobResult, run_job
+from pitstop.runtime.faults import Fault
+
+ROLE = 5
+
+
+def _job(d: Path, steps: int, warm: bool, compile_: bool) -> JobResult:
+    fault = Fault.kill(rank=ROLE).at(step=3, phase="forward")
+    return run_job(d, steps, standby=1, faults=(fault.once_warm() if warm else fault).spec(), timeout=1800,
+                   launch_args=[] if warm else ["--no-warmup"], script_args=["--compile"] if compile_ else [])
+
+
+def _summary(cold: JobResult, warm: JobResult) -> Dict[str, Any]:
+    def first(res: JobResult) -> Dict[str, Any]:
+        ev = res.of("replaced")
+        return ev[0] if ev else {}
+
+    c, w = first(cold), first(warm)
+    warmed = (warm.of("warmed") or [{}])[0]
+    recorded = warm.of("recorded")
+
+    def joiner(res: JobResult) -> Dict[str, Any]:  # the new process of ROLE: its first vs its median iteration
+        return next((s for s in res.stats if s["rank"] == ROLE and s.get("steps_committed", 0) < res_steps(res)), {})
+
+    def ratio(x: Optional[float], y: Optional[float]) -> Optional[float]:
+        return round(x / y, 3) if x and y else None
+
+    jc, jw = joiner(cold), joiner(warm)
+    steady = jw.get("median_iter_s")
+
+    worker_rss = [s.get("rss_bytes") for s in warm.stats if s.get("rss_bytes")]
+    return {
+        "steady_iter_s": steady,
+        "cold_first_iter_s": jc.get("first_iter_s"),
+        "warm_first_iter_s": jw.get("first_iter_s"),
+        "ratio_warm": ratio(jw.get("first_iter_s"), steady),
+        "ratio_cold": ratio(jc.get("first_iter_s"), jc.get("median_iter_s")),
+        "steady_iter_cold_job_s": jc.get("median_iter_s"),
+        "record_bytes": sum(r.get("bytes", 0) for r in recorded) or None,
+        "standby_rss_bytes": warmed.get("rss_bytes"),
+        "worker_rss_bytes": max(worker_rss) if worker_rss else None,
+        "warmup_s": round(sum(x.get("seconds", 0) for x in warmed.get("classes", [])), 3) or None,
+        "joiner_warm": w.get("warm"),
+        "downtime_cold_s": c.get("downtime_s"),
+        "downtime_warm_s": w.get("downtime_s"),
+        "state_cold_s": c.get("state_s"),
+        "state_warm_s": w.get("state_s"),
+        "ok": cold.code == 0 and warm.code == 0 and bool(c) and bool(w),
+    }
+
+
+def res_steps(res: JobResult) -> int:
+    return max(res.losses) if res.losses else 0
+
+
+def bench_warmup(steps: int = 60, run_dir: str = "runs/bench-warmup", modes: List[str] = ("eager", "compiled")) -> Dict[str, Any]:
+    base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
+    out: Dict[str, Any] = {}
+    for mode in modes:
+        compiled = mode == "compiled"
+        cold = _job(base / f"{mode}-cold", steps, warm=False, compile_=compiled)
+        warm = _job(base / f"{mode}-warm", steps, warm=True, compile_=compiled)
+        out[mode] = _summary(cold, warm)
+    out["run_dir"] = str(base)
+    return out
