@@ -199,12 +199,16 @@ def maybe_start_recording(layout, rank: int) -> bool:
     from pitstop.emulation.record import Recorder, recorder_class
     from pitstop.runtime.worker import current
 
+    from pitstop.runtime import keys
+
     m = current()
-    if (m is None or not m.controlled or not m.config.warmup or m.mode != "worker" or m.epoch != 0
+    # a checkpoint restart's set-up loads a checkpoint, which a sandbox does not: only a
+    # fresh start records (the first one, or a start over before any step committed)
+    if (m is None or not m.controlled or not m.config.warmup or m.mode != "worker"
             or m.generation != 0 or _Recording.recorder is not None or active() is not None):
         return False
     cls = recorder_class(layout, rank)
-    if cls is None:
+    if cls is None or m.store.check([keys.record(cls)]):
         return False
     _Recording.recorder = Recorder(layout, rank, cls).start()
     return True
