@@ -35,7 +35,9 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict
     if ref.code != 0:
         raise RuntimeError(f"the reference run failed:\n{ref.tails()}")
     restart = run_job(base / "restart", steps, standby=0, faults=KILL.spec(), launch_args=["--save-interval", "2"])
-    unplanned = run_job(base / "unplanned", steps, standby=1, faults=KILL.spec())
+    # the same kill twice: a standby warmed by the sandbox (held for at step 1), and a cold one
+    unplanned = run_job(base / "unplanned", steps, standby=1, faults=KILL.spec(), launch_args=["--hold-for-warm", "600"])
+    cold = run_job(base / "unplanned-cold", steps, standby=1, faults=KILL.spec(), launch_args=["--no-warmup"])
 
     def drain(d: Path) -> None:
         wait_for_step(d, 2)
@@ -52,6 +54,7 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict
     hook = statistics.mean(s["hook_s"] / max(1, s["steps_committed"]) for s in ref.stats)
     buddy = statistics.mean(s["buddy_s"] / max(1, s["steps_committed"]) for s in ref.stats)
     rep = (unplanned.of("replaced") or [{}])[0]
+    rep_cold = (cold.of("replaced") or [{}])[0]
     rst = (restart.of("restarted") or [{}])[0]
     drn = (planned.of("drained") or [{}])[0]
     baseline_s, unplanned_s = rst.get("downtime_s"), rep.get("downtime_s")
@@ -61,13 +64,18 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict
         "planned_pause_s": drn.get("pause_s"),
         "steady_iteration_s": steady,
         "ratio_unplanned": None if not (baseline_s and unplanned_s) else round(unplanned_s / baseline_s, 4),
-        "loss_identical": _identical(unplanned, ref) and _identical(planned, ref),
+        "loss_identical": _identical(unplanned, ref) and _identical(planned, ref) and _identical(cold, ref),
         "buddy_copy_bytes": max(s["buddy_bytes"] for s in ref.stats),
         "hook_overhead_pct": round(100 * hook / steady, 3),
         "breakdown": {
             "unplanned": {k: rep.get(k) for k in ("detect_s", "plan_s", "groups_s", "state_s", "first_step_s")},
             "planned": {k: drn.get(k) for k in ("prepare_s", "pause_s", "groups_s", "state_s", "first_step_s")},
             "restart": {"resume_step": (restart.of("fallback") or [{}])[0].get("resume_step")},
+            # what the sandboxed warmup takes off the critical path (same kill, same job, cold standby)
+            "warmup": {"joiner_warm": rep.get("warm"), "cold_joiner_s": rep_cold.get("downtime_s"),
+                       "warm_joiner_s": unplanned_s, "state_cold_s": rep_cold.get("state_s"),
+                       "state_warm_s": rep.get("state_s"), "first_iter_cold_s": rep_cold.get("first_iter_s"),
+                       "first_iter_warm_s": rep.get("first_iter_s")},
             "hook_per_step_s": round(hook, 5),
             "buddy_exchange_per_step_s": round(buddy, 5),
             "restart_loss_identical": all(restart.losses.get(k) == v for k, v in ref.losses.items()),
