@@ -1,0 +1,160 @@
+"""Measure alpha and beta of gloo over loopback, for the ``cpu-gloo-loopback`` topology.
+
+Two processes (torch.multiprocessing, spawn) meet through a ``TCPStore(port=0)`` and
+ping-pong messages of each size; half the *fastest* round trip is the one-way time
+``alpha + bytes * beta`` (the host is shared: other load only ever adds time, so the
+lower envelope is the reproducible part), and :func:`fit_alpha_beta` fits the line by least squares
+on relative error (so the small messages, which carry alpha, are not drowned by the
+big ones). Only this module of emulation uses torch.distributed.
+
+Run it (and rewrite the shipped file)::
+
+    python -m pitstop.emulation.calibrate --out pitstop/emulation/topologies/cpu-gloo-loopback.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Dict, List, Sequence, Tuple
+
+from pitstop.errors import EmulationError
+
+DEFAULT_SIZES: Tuple[int, ...] = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
+_KEY = "pitstop/calibration"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted link: ``alpha_s`` seconds, ``bandwidth_bytes_per_s``, and the medians fitted."""
+
+    alpha_s: float
+    bandwidth_bytes_per_s: float
+    samples: Dict[int, float]
+    """Message size (bytes) -> fastest one-way time (seconds)."""
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], relative: bool = True) -> Tuple[float, float]:
+    """Least-squares ``time = alpha + size * beta``; ``relative`` weights each point by
+    ``1/time**2`` (minimises relative error). Returns ``(alpha, beta)``; alpha is
+    clamped at 0."""
+    if len(sizes) != len(times) or len(set(sizes)) < 2:
+        raise EmulationError(f"fit needs >= 2 distinct sizes with one time each, got {len(set(sizes))} sizes, "
+                             f"{len(times)} times")
+    if any(t <= 0 for t in times):
+        raise EmulationError(f"fit needs positive times, got {list(times)}")
+    w = [1.0 / (t * t) if relative else 1.0 for t in times]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, sizes)) / sw
+    my = sum(wi * y for wi, y in zip(w, times)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, sizes))
+    sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, times))
+    beta = sxy / sxx
+    alpha = my - beta * mx
+    if beta <= 0:
+        raise EmulationError(f"fitted beta({beta}) <= 0: times do not grow with size ({dict(zip(sizes, times))})")
+    return max(alpha, 0.0), beta
+
+
+def _worker(rank: int, port: int, sizes: Sequence[int], repeats: int, warmup: int) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        out: Dict[int, float] = {}
+        for size in sizes:
+            buf = torch.zeros(size, dtype=torch.uint8)
+            rtts: List[float] = []
+            for k in range(warmup + repeats):
+                if rank == 0:
+                    t0 = time.perf_counter()
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                    if k >= warmup:
+                        rtts.append(time.perf_counter() - t0)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+            if rank == 0:
+                out[size] = min(rtts) / 2
+        if rank == 0:
+            store.set(_KEY, json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate_gloo(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20, warmup: int = 3) -> Calibration:
+    """Ping-pong two gloo processes over loopback and fit alpha/beta (see the module docstring)."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    sizes = [int(s) for s in sizes]
+    if len(set(sizes)) < 2 or min(sizes) < 1:
+        raise EmulationError(f"sizes({sizes}) need >= 2 distinct values >= 1 byte")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    mp.spawn(_worker, args=(store.port, sizes, repeats, warmup), nprocs=2, join=True)
+    samples = {int(k): v for k, v in json.loads(store.get(_KEY)).items()}
+    alpha, beta = fit_alpha_beta(list(samples), list(samples.values()))
+    return Calibration(alpha, 1.0 / beta, samples)
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import torch
+
+    load = ", load average %.1f" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
+    return f"{platform.node()}, {cpu}, {os.cpu_count()} CPUs{load}, torch {torch.__version__}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write a topology JSON here (both link classes = loopback)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    args = ap.parse_args(argv)
+    cal = calibrate_gloo(args.sizes, args.repeats)
+    print(json.dumps({"alpha_s": cal.alpha_s, "bandwidth_bytes_per_s": cal.bandwidth_bytes_per_s,
+                      "one_way_s": cal.samples}, indent=1))
+    if args.out:
+        link = {"alpha_s": cal.alpha_s, "bandwidth_bytes_per_s": cal.bandwidth_bytes_per_s}
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        data = {
+            "name": "cpu-gloo-loopback",
+            "doc": ("gloo send/recv between two processes over 127.0.0.1; every rank shares the host, so "
+                    "intra_node and inter_node are the same loopback link and gpus_per_node is nominal. "
+                    "Fitted one-way time alpha + bytes/bandwidth (least squares on relative error, "
+                    f"fastest of {args.repeats} ping-pongs per size, as the host is shared). "
+                    "One-way times in seconds: "
+                    + ", ".join(f"{s} B: {t:.3g}" for s, t in cal.samples.items())),
+            "calibrated": f"{when}; {_machine()}; python -m pitstop.emulation.calibrate "
+                          + " ".join(argv if argv is not None else sys.argv[1:]),
+            "gpus_per_node": args.gpus_per_node,
+            "intra_node": link,
+            "inter_node": dict(link),
+        }
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
