@@ -77,11 +77,14 @@ def test_unplanned_kill_is_bitwise_identical_and_a_stray_is_refused(reference, t
 
 
 def test_planned_drain_is_bitwise_identical(reference, tmp_path):
+    """The drain is asked for while the standby runs its sandboxed warmup (right after the
+    recorded step 1); training holds at most 30 s for the refilled pool to warm up, so the
+    switch lands well before the last step even on a loaded machine."""
     def during(run_dir):
-        wait_for_step(run_dir, 2)
+        wait_for_event(run_dir, "recorded", n=2)
         request_drain(run_dir, rank=2)
 
-    res = run_job(tmp_path / "run", STEPS, standby=1, during=during)
+    res = run_job(tmp_path / "run", STEPS, standby=1, during=during, launch_args=["--hold-for-warm", "30"])
     assert_same_run(res, reference)
     d = res.of("drained")
     assert len(d) == 1 and d[0]["role"] == 2 and d[0]["generation"] == 1, res.tails()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from pitstop.launch.controller import request_drain
-from pitstop.launch.runs import JobResult, run_job, wait_for_step
+from pitstop.launch.runs import JobResult, run_job, wait_for_event
 from pitstop.runtime.faults import Fault
 
 KILL = Fault.kill(rank=5).at(step=4, phase="backward")
@@ -39,11 +39,11 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict
     unplanned = run_job(base / "unplanned", steps, standby=1, faults=KILL.spec(), launch_args=["--hold-for-warm", "600"])
     cold = run_job(base / "unplanned-cold", steps, standby=1, faults=KILL.spec(), launch_args=["--no-warmup"])
 
-    def drain(d: Path) -> None:
-        wait_for_step(d, 2)
+    def drain(d: Path) -> None:  # asked for right after the recorded step 1, while the standby warms up
+        wait_for_event(d, "recorded", n=2)
         request_drain(d, rank=2)
 
-    planned = run_job(base / "planned", steps, standby=1, during=drain)
+    planned = run_job(base / "planned", steps, standby=1, during=drain, launch_args=["--hold-for-warm", "30"])
 
     iters = []
     import json

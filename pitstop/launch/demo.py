@@ -1,8 +1,9 @@
 """``make demo``: the main job. World-8 Megatron-Core GPT (tp2 pp2 dp2) on CPU, one standby.
 
 1. an uninterrupted run of the same job, for comparison;
-2. the pitstop run: rank 5 is SIGKILLed in the backward pass of step 3 and a standby
-   takes over; after step 6 rank 2 is drained to a standby (the pool refills);
+2. the pitstop run: after step 1 (recorded) the standby replays it in its sandbox; rank 5 is
+   SIGKILLed in the backward pass of step 3 and the warmed standby takes over; after step 6
+   rank 2 is drained to a standby (the pool refills);
 3. a summary: each event's downtime, the groups rebuilt and kept, and whether every
    step's loss and every rank's final parameters matched the uninterrupted run bit for bit.
 """
@@ -34,7 +35,9 @@ def run_demo(steps: int = 80, run_dir: str = "runs/demo") -> int:
         wait_for_step(d, drain_after)
         request_drain(d, rank=2)  # waits in the controller until the refilled standby is warm
 
-    res = run_job(base / "pitstop", steps, standby=1, faults=kill.spec(), during=drain)
+    # training holds after the recorded step 1 until the standby has replayed it (at most 60 s)
+    res = run_job(base / "pitstop", steps, standby=1, faults=kill.spec(), during=drain,
+                  launch_args=["--hold-for-warm", "60"])
     if res.code != 0:
         print(res.tails())
         return 1
@@ -51,7 +54,12 @@ def run_demo(steps: int = 80, run_dir: str = "runs/demo") -> int:
         print(f"  unplanned: role {ev['role']} ({ev['old']} -> {ev['new']}) at step {ev['step']}: downtime {ev['downtime_s']:.2f}s "
               f"(detect {ev['detect_s']}s, plan {ev['plan_s']}s, groups {ev['groups_s']}s, state {ev['state_s']}s, "
               f"first step {ev['first_step_s']}s); {ev['rebuilt']} groups rebuilt on the busiest rank, "
-              f"{ev['ranks_rebuilding']} of 8 ranks rebuilt anything")
+              f"{ev['ranks_rebuilding']} of 8 ranks rebuilt anything; the standby was "
+              f"{'warmed in the sandbox' if ev.get('warm') else 'cold'}, its first iteration took {ev.get('first_iter_s')}s")
+    for ev in res.of("warmed"):
+        ok = [c["cls"] for c in ev["classes"] if c["ok"]]
+        print(f"  warmup:    standby pid {ev['pid']} replayed the {', '.join(ok) or 'no'} stage record(s)"
+              f" ({ev['stopped'] or 'complete'}); resident {ev['rss_bytes'] / 2**20:.0f} MiB")
     for ev in res.of("drained"):
         print(f"  planned:   role {ev['role']} ({ev['old']} -> {ev['new']}) after step {ev['step'] - 1}: pause {ev['pause_s']}s "
               f"(prepared in the background in {ev['prepare_s']}s; first step after {ev['first_step_s']}s)")
