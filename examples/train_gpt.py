@@ -198,7 +198,8 @@ def build_model(args: argparse.Namespace) -> list:
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     if args.compile:
-        compile_model([model])
+        n = compile_model([model])
+        print(f"train_gpt: compiled {n} transformer layers (torch.compile, inductor)", file=sys.stderr, flush=True)
     return [model]
 
 
@@ -208,8 +209,16 @@ def compile_model(model: list) -> int:
     ``nn.Module.compile()`` keeps the module objects, parameter names and state-dict keys
     (checkpoints and pitstop's state hand-off depend on them), which wrapping in
     ``torch.compile(module)`` would not. Per layer rather than the whole GPT model: the
-    layers are where the time goes, and compiling the whole model on CPU took longer
-    (78 s against 47 s for the first step, one process, 4 layers) for no faster steady step.
+    layers are where the time goes, and compiling the whole model on CPU took 2-4x longer
+    for no faster steady step (its resumed frame inside the layer loop also recompiles per
+    layer and hits dynamo's recompile limit at 12 layers).
+
+    Two dynamo settings remove the graph breaks Megatron's layer would otherwise cause:
+    ``nested_graph_breaks`` makes the one break that stays resumable (attention forks the
+    model-parallel RNG tracker, which calls ``torch.get_rng_state``, even at dropout 0), and
+    ``warnings.warn`` (Megatron's deprecation warning for an implicit tp group) is ignored
+    instead of breaking the graph. Without them a layer falls apart into 11 graphs and the
+    steady step is twice as slow as eager. (Inductor's numerics are not eager's bit for bit.)
     A second model built in the same process reuses the compiled code (dynamo's in-memory
     cache with ``inline_inbuilt_nn_modules``), which is what a standby's sandboxed warmup
     relies on.
@@ -225,6 +234,10 @@ def compile_model(model: list) -> int:
         if base:
             os.makedirs(base, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"p{os.getpid()}-", dir=base)
+    import warnings
+
+    torch._dynamo.config.nested_graph_breaks = True
+    torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
     n = 0
     for chunk in model:
         for layer in chunk.module.decoder.layers:

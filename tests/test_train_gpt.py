@@ -63,3 +63,28 @@ def test_world8_gpt_is_bitwise_deterministic_on_pitstop_groups(tmp_path):
         assert a["loss"] == pytest.approx(m["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-5)
     assert a_loss[0]["loss_hex"] == m_loss[0]["loss_hex"]  # same init, same data, same groups' ranks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compile_trains_like_eager(tmp_path):
+    """``--compile`` compiles every transformer layer on CPU (world 2: tp1 pp2, so both the
+    first and the last stage's layers compile) and trains to eager's numbers within fp32
+    rounding (inductor fuses differently, so not bit for bit)."""
+    def run(name, *extra):
+        job = LocalJob(tmp_path / name)
+        try:
+            loss_file = tmp_path / f"{name}.jsonl"
+            ctx = job.start(name, [SCRIPT, "--pp", "2", "--steps", "3", "--loss-file", str(loss_file), *extra], range(2), 2)
+            wait_done(job, ctx, timeout=500)
+            logs = "".join(Path(p).read_text() for p in ctx.stderrs.values())
+            return [json.loads(l) for l in loss_file.read_text().splitlines()], logs
+        finally:
+            job.close()
+
+    eager, _ = run("eager")
+    compiled, logs = run("compiled", "--compile")
+    assert logs.count("compiled 2 transformer layers") == 2, logs[-3000:]
+    assert [r["step"] for r in compiled] == [1, 2, 3]
+    for e, c in zip(eager, compiled):
+        assert c["loss"] == pytest.approx(e["loss"], rel=1e-5) and c["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-4)
