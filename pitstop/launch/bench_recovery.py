@@ -87,32 +87,51 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict
 
 #: The fault matrix: roles by what they are in tp2 pp2 dp2, phases of a step.
 MATRIX_ROLES = {"tp-rank": 1, "first-stage": 0, "last-stage": 4, "second-dp-replica": 6}
+#: The general-standby matrix: world 6, tp1 pp3 dp2 (stages 0-1, 2-3, 4-5); warmed standbys.
+PP3_GPT = ["examples/train_gpt.py", "--tp", "1", "--pp", "3", "--num-layers", "6", "--checksum"]
+PP3_ROLES = {"first-stage": 1, "middle-stage": 2, "last-stage": 5}
 
 
-def bench_faults(steps: int = 10, run_dir: str = "runs/bench-faults") -> Dict[str, Any]:
+def bench_faults(steps: int = 10, run_dir: str = "runs/bench-faults", layout: str = "tp2pp2") -> Dict[str, Any]:
     """Every (role, phase) cell of the fault matrix, each a SIGKILL replaced by a standby and
-    checked bit for bit against an uninterrupted run: one job per phase, four kills each."""
+    checked bit for bit against an uninterrupted run: one job per phase, one kill per role.
+
+    ``layout="pp3"`` is the general-standby matrix: world 6 with a middle stage, and the
+    standbys have replayed the first-, middle- and last-stage records before the first kill
+    (``--hold-for-warm``); a cell also records whether the standby that took it was warm.
+    """
     from pitstop.runtime.faults import PHASES, Faults
 
+    if layout not in ("tp2pp2", "pp3"):
+        raise ValueError(f"layout {layout!r}: expected tp2pp2 or pp3")
+    pp3 = layout == "pp3"
+    roles = PP3_ROLES if pp3 else MATRIX_ROLES
+    kw: Dict[str, Any] = dict(nproc=6, gpt=PP3_GPT) if pp3 else {}
     base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
-    ref = run_job(base / "reference", steps)
+    ref = run_job(base / "reference", steps, launch_args=["--no-warmup"], **kw)
     if ref.code != 0:
         raise RuntimeError(f"the reference run failed:\n{ref.tails()}")
     cells = []
     for phase in PHASES:
-        faults = Faults(Fault.kill(rank).at(step=2 + 2 * i, phase=phase) for i, rank in enumerate(MATRIX_ROLES.values()))
-        res = run_job(base / phase, steps, standby=len(MATRIX_ROLES), faults=faults.spec(),
-                      launch_args=["--heartbeat-timeout", "10"])  # 12 processes on few cores: no false hangs
+        faults = Faults(Fault.kill(rank).at(step=2 + 2 * i, phase=phase) for i, rank in enumerate(roles.values()))
+        args = ["--heartbeat-timeout", "10"]  # 10-12 processes on few cores: no false hangs
+        res = run_job(base / phase, steps, standby=len(roles), faults=faults.spec(),
+                      launch_args=args + (["--hold-for-warm", "600"] if pp3 else []), **kw)
         identical = _identical(res, ref)
         replaced = {e["role"]: e for e in res.of("replaced")}
-        for name, rank in MATRIX_ROLES.items():
+        for name, rank in roles.items():
             ev = replaced.get(rank, {})
-            cells.append({"role": name, "rank": rank, "phase": phase, "replaced": bool(ev),
+            cells.append({"role": name, "rank": rank, "phase": phase, "replaced": bool(ev), "warm": ev.get("warm"),
                           "downtime_s": ev.get("downtime_s"), "bitwise": identical and bool(ev)})
+    job = ("world 6 (tp1 pp3 dp2) GPT, 3 standbys warmed on the first, middle and last stage records, "
+           "one job per phase killing 3 roles at steps 2, 4, 6") if pp3 else \
+        "world 8 (tp2 pp2 dp2) GPT, 4 standbys, one job per phase killing 4 roles at steps 2, 4, 6, 8"
     return {
         "cells": cells,
         "passed": sum(c["bitwise"] for c in cells),
+        "warm": sum(bool(c["warm"]) for c in cells),
         "total": len(cells),
-        "job": "world 8 (tp2 pp2 dp2) GPT, 4 standbys, one job per phase killing 4 roles at steps 2, 4, 6, 8",
+        "layout": layout,
+        "job": job,
         "run_dir": str(base),
     }

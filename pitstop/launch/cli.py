@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     fm = bsub.add_parser("faults", help="the full fault matrix (4 roles x 5 phases), each bitwise against an uninterrupted run")
     fm.add_argument("--json", action="store_true")
     fm.add_argument("--run-dir", default="runs/bench-faults")
+    fm.add_argument("--layout", choices=("tp2pp2", "pp3"), default="tp2pp2",
+                    help="tp2pp2: world 8, 4 roles; pp3: world 6 with a middle stage and warmed general standbys")
     w = bsub.add_parser("warmup", help="a joiner's first iteration, cold vs after the sandboxed warmup, eager and --compile")
     w.add_argument("--json", action="store_true")
     w.add_argument("--steps", type=int, default=60,
@@ -104,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.cmd == "bench" and args.bench == "faults":
             from pitstop.launch.bench_recovery import bench_faults
 
-            out = bench_faults(run_dir=args.run_dir)
+            out = bench_faults(run_dir=args.run_dir, layout=args.layout)
             print(json.dumps(out) if args.json else json.dumps(out, indent=2))
             return 0
         if args.cmd == "bench" and args.bench == "warmup":
