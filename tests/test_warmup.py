@@ -72,16 +72,23 @@ def _recorded(tmp_path) -> Record:
     return Record.load(path)
 
 
+class G:
+    """A stand-in for the group argument (the oracle reads only its kind)."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+
 def test_replay_serves_recorded_values_in_order(tmp_path):
     record = _recorded(tmp_path)
     assert record.count == 3 and record.role == 0 and record.cls == "first"
     oracle = ReplayOracle(record)
     x = torch.tensor([9.0, 9.0])
-    oracle.serve("tp", "allreduce", ([x],))
+    oracle.serve(G("tp"), "allreduce", ([x],))
     assert x.tolist() == [3.0, 6.0]
-    oracle.serve("pp", "send", ([torch.zeros(2, 3)], 1, 0))
+    oracle.serve(G("pp"), "send", ([torch.zeros(2, 3)], 1, 0))
     y = torch.zeros(4, dtype=torch.int64)
-    oracle.serve("tp", "_allgather_base", (y, torch.zeros(2, dtype=torch.int64)))
+    oracle.serve(G("tp"), "_allgather_base", (y, torch.zeros(2, dtype=torch.int64)))
     assert y.tolist() == [5, 6, 7, 8]
     assert oracle.served == 3 and oracle.unused() == {}
 
@@ -90,13 +97,13 @@ def test_replay_refuses_a_record_of_another_model(tmp_path):
     record = _recorded(tmp_path)
     oracle = ReplayOracle(record)
     with pytest.raises(RecordMismatchError, match=r"tp operation #1: .* allreduce \[\[2\]\] .* issues allreduce \[\[3\]\]"):
-        oracle.serve("tp", "allreduce", ([torch.zeros(3)],))
+        oracle.serve(G("tp"), "allreduce", ([torch.zeros(3)],))
     with pytest.raises(RecordMismatchError, match=r"float32.*float64"):
-        oracle.serve("tp", "allreduce", ([torch.zeros(2, dtype=torch.float64)],))
+        oracle.serve(G("tp"), "allreduce", ([torch.zeros(2, dtype=torch.float64)],))
     with pytest.raises(RecordMismatchError, match=r"dp operation #1 .* holds only 0 operation"):
-        oracle.serve("dp", "allreduce", ([torch.zeros(2)],))
+        oracle.serve(G("dp"), "allreduce", ([torch.zeros(2)],))
     with pytest.raises(RecordMismatchError, match=r"has broadcast|has allreduce .* issues broadcast"):
-        oracle.serve("tp", "broadcast", ([torch.zeros(2)],))
+        oracle.serve(G("tp"), "broadcast", ([torch.zeros(2)],))
 
 
 # --------------------------------------------------------------------------- the backend and the sandbox

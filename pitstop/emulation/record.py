@@ -177,7 +177,8 @@ class ReplayOracle:
     def served(self) -> int:
         return sum(self.cursor.values())
 
-    def serve(self, kind: str, what: str, args: tuple) -> None:
+    def serve(self, group, what: str, args: tuple) -> None:
+        kind = group.kind
         i = self.cursor.get(kind, 0)
         entries = self.record.entries.get(kind, [])
         shapes, dtypes, ts = _signature(what, args)

@@ -31,9 +31,12 @@ VIRTUAL_BACKEND = "pitstop_virtual"
 class Oracle(Protocol):
     """Answers the operations of virtual groups."""
 
-    def serve(self, kind: str, what: str, args: tuple) -> None:
-        """Fill the output tensors of operation ``what`` (a ProcessGroup method name) on a
-        group of ``kind``; ``args`` are the method's positional arguments."""
+    def serve(self, group: "VirtualGroup", what: str, args: tuple) -> None:
+        """Fill the output tensors of operation ``what`` (a ProcessGroup method name, e.g.
+        ``allreduce``, ``_allgather_base``, ``send``) on ``group`` (its ``kind``, global
+        ``ranks``, ``rank()`` and ``size()``); ``args`` are the method's positional
+        arguments exactly as c10d passes them (tensor lists, then an options object or
+        the peer and tag for send/recv)."""
 
 
 _ORACLE: Optional[Oracle] = None
@@ -62,7 +65,7 @@ def kind_of(group_name: str, ranks: List[int]) -> str:
 
 def _method(what: str):
     def method(self: "VirtualGroup", *args, **kwargs):  # noqa: ARG001 - options carry nothing we need
-        self.oracle.serve(self.kind, what, args)
+        self.oracle.serve(self, what, args)
         self.ops += 1
         return DoneWork(_outputs(what, args) if what not in ("send", "barrier", "monitored_barrier") else [])
 
