@@ -53,6 +53,13 @@ def serving(oracle: Oracle) -> Iterator[Oracle]:
         _ORACLE = old
 
 
+def set_oracle(oracle: Optional[Oracle]) -> None:
+    """Answer every virtual group created from now on with ``oracle`` (for a process that
+    lives in an emulated world; a bounded use is :func:`serving`)."""
+    global _ORACLE
+    _ORACLE = oracle
+
+
 def kind_of(group_name: str, ranks: List[int]) -> str:
     """The layout kind of a group from its name (``pitstop:g0:tp+gloo:ab12`` -> ``tp``);
     the default group (no explicit ranks) is ``world``."""

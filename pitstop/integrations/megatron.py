@@ -264,7 +264,12 @@ def initialize_model_parallel(
     )
     from pitstop.runtime import sandbox
 
-    if sandbox.active() is not None:  # a standby's warmup: every group is virtual, answered from the record
+    from pitstop.emulation import runtime as emulation
+
+    if emulation.active():
+        emulation.check_layout(layout)
+    if sandbox.active() is not None or emulation.active():
+        # a standby's warmup (answered from the record) or an emulated world: every group is virtual
         from pitstop.emulation.virtual import VIRTUAL_BACKEND
 
         backend = VIRTUAL_BACKEND

@@ -57,6 +57,19 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--run-dir", required=True)
     st.add_argument("--last", type=int, default=10)
 
+    em = sub.add_parser("emulate", help="run a job of N ranks with a few real processes; the rest are virtual")
+    em.add_argument("--world-size", type=int, required=True, metavar="N")
+    em.add_argument("--tp", type=int, default=1)
+    em.add_argument("--pp", type=int, default=1)
+    em.add_argument("--cp", type=int, default=1)
+    em.add_argument("--ep", type=int, default=1)
+    em.add_argument("--real-ranks", required=True, metavar="R,R,...", help="ranks that run for real, e.g. 0,8191")
+    em.add_argument("--topology", default="cpu-gloo-loopback",
+                    help="a topology JSON/TOML file, or a shipped name: cpu-gloo-loopback (default), h200-nvlink-ib")
+    em.add_argument("--out", default="runs/emulate", help="report.json, trace.json, logs (default runs/emulate)")
+    em.add_argument("--timeout", type=float, default=900.0, metavar="S", help="per phase")
+    em.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS... (give the script the same --tp/--pp)")
+
     b = sub.add_parser("bench", help="benchmarks; each prints one JSON object")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     g = bsub.add_parser("groups", help="group init time (Megatron vs pitstop), delta rebuild time, delta size up to 8,192 ranks")
@@ -120,6 +133,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             out = bench_warmup(steps=args.steps, run_dir=args.run_dir, modes=modes)
             print(json.dumps(out) if args.json else json.dumps(out, indent=2))
             return 0
+        if args.cmd == "emulate":
+            return _emulate(args)
         if args.cmd == "demo":
             from pitstop.launch.demo import run_demo
 
@@ -134,6 +149,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"pitstop: error: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+def _emulate(args) -> int:
+    from pathlib import Path
+
+    from pitstop.launch.emulate import EmulateSpec, emulate, parse_ranks, table
+
+    script = list(args.script)
+    if script and script[0] == "--":
+        script = script[1:]
+    from pitstop.layout import ParallelLayout
+
+    ParallelLayout(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)  # names every factor
+    spec = EmulateSpec(args.world_size, args.tp, args.pp, parse_ranks(args.real_ranks, args.world_size), script,
+                       Path(args.out), args.topology, args.cp, args.ep, args.timeout)
+    report = emulate(spec)
+    print(table(report))
+    print(f"report: {spec.out / 'report.json'}   trace: {spec.out / 'trace.json'} (ui.perfetto.dev)")
+    return 0
 
 
 def _launch(args) -> int:

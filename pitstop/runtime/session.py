@@ -161,6 +161,10 @@ class Session:
         (``steps`` then yields it again, after recovery)."""
         step = self.step if step is None else step
         if not self.controlled:
+            if self.m.mode == "emulate":
+                from pitstop.emulation import runtime as emulation
+
+                emulation.boundary()
             self._committed = True
             return True
         t0 = time.perf_counter()

@@ -163,6 +163,16 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
     cfg = config if config is not None else RuntimeConfig.from_env()
     world = int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=cfg.collective_timeout_s)
+    from pitstop.emulation.runtime import EmulationConfig
+
+    emu = EmulationConfig.from_env()
+    if emu is not None:  # `pitstop emulate`: a real rank among virtual ones
+        from pitstop.emulation import runtime as emulation
+
+        rank = int(os.environ["RANK"])
+        emulation.join(emu, rank)
+        _CURRENT = Membership(rank, world, 0, "emulate", config=cfg)
+        return _CURRENT
     if os.environ.get(ENV_CONTROLLER) != "1":
         rank = int(os.environ["RANK"])
         init_world(connect_from_env(), rank, world, timeout)

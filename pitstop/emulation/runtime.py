@@ -1,0 +1,155 @@
+"""The worker side of ``pitstop emulate``: a real rank in a world of virtual ones.
+
+``pitstop emulate`` starts each real rank with ``PITSTOP_EMULATE`` (JSON, see
+:class:`EmulationConfig`). ``pitstop.runtime.worker.join`` then calls :func:`join`
+instead of joining a controller: the default group and every group the registry
+builds are ``pitstop_virtual`` groups (no world barrier, only this rank's groups, so
+memory is O(its groups), not O(N)), answered by the hybrid oracle (real members
+exchange real data, virtual members' contributions are synthesised). On top of it:
+
+* phase ``trace``: a :class:`~pitstop.emulation.tracer.TracingOracle` writes the
+  rank's timeline to ``<out>/traces/r<rank>.json`` at every iteration boundary;
+* phase ``paced``: a :class:`~pitstop.emulation.tracer.PacingOracle` makes each
+  operation return at its replayed end time (``<out>/schedules/r<rank>.json``).
+
+Either way ``<out>/metrics/r<rank>.json`` gets the rank's measured iteration times
+and memory at every boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from pitstop.errors import ConfigError
+
+log = logging.getLogger("pitstop.emulate")
+
+ENV_EMULATE = "PITSTOP_EMULATE"
+
+
+@dataclass(frozen=True)
+class EmulationConfig:
+    """What a real rank needs to know about the emulated job."""
+
+    world_size: int
+    tp: int
+    pp: int
+    real_ranks: List[int]
+    """The ranks that run as processes in this phase (they exchange real data)."""
+    phase: str
+    """``trace`` or ``paced``."""
+    out: str
+    cp: int = 1
+    ep: int = 1
+
+    def to_env(self) -> Dict[str, str]:
+        return {ENV_EMULATE: json.dumps(asdict(self))}
+
+    @classmethod
+    def from_env(cls) -> Optional["EmulationConfig"]:
+        raw = os.environ.get(ENV_EMULATE)
+        if not raw:
+            return None
+        try:
+            cfg = cls(**json.loads(raw))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{ENV_EMULATE}={raw[:200]!r}: {exc}") from None
+        if cfg.phase not in ("trace", "paced"):
+            raise ConfigError(f"{ENV_EMULATE}: phase {cfg.phase!r}; expected trace or paced")
+        return cfg
+
+
+@dataclass
+class _Active:
+    cfg: EmulationConfig
+    rank: int
+    oracle: Any
+    iter_s: List[float] = field(default_factory=list)
+    t_last: float = field(default_factory=time.perf_counter)
+    setup_s: float = 0.0
+
+
+ACTIVE: Optional[_Active] = None
+
+
+def active() -> bool:
+    return ACTIVE is not None
+
+
+def join(cfg: EmulationConfig, rank: int) -> None:
+    """Initialise torch.distributed as ``rank`` of a world of ``cfg.world_size`` virtual peers."""
+    global ACTIVE
+    import torch.distributed as dist
+
+    from pitstop.emulation import virtual
+    from pitstop.emulation.hybrid import HybridOracle, MirrorContributions
+    from pitstop.layout import ParallelLayout
+    from pitstop.store import connect_from_env
+
+    t0 = time.perf_counter()
+    layout = ParallelLayout(cfg.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
+    store = connect_from_env()
+    oracle: Any = HybridOracle(cfg.real_ranks, rank, store, MirrorContributions())
+    out = Path(cfg.out)
+    if cfg.phase == "trace":
+        from pitstop.emulation.tracer import TracingOracle
+
+        oracle = TracingOracle(oracle, rank, layout.coords(rank)["pp"], layout.pp)
+    else:
+        from pitstop.emulation.tracer import PacingOracle
+
+        schedule = json.loads((out / "schedules" / f"r{rank}.json").read_text())
+        oracle = PacingOracle(oracle, schedule)
+    virtual.register()
+    virtual.set_oracle(oracle)
+    dist.init_process_group(virtual.VIRTUAL_BACKEND, store=dist.PrefixStore("pitstop/emulate", store),
+                            rank=rank, world_size=cfg.world_size)
+    ACTIVE = _Active(cfg, rank, oracle, setup_s=time.perf_counter() - t0)
+    log.info("[emulate r%d] %s phase in a world of %d (%s); real ranks %s", rank, cfg.phase, cfg.world_size,
+             layout.describe(), cfg.real_ranks)
+
+
+def check_layout(layout) -> None:
+    """The script's model parallel layout must be the one ``pitstop emulate`` was told."""
+    cfg = ACTIVE.cfg if ACTIVE else None
+    if cfg is None:
+        return
+    want = (cfg.world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
+    got = (layout.world_size, layout.tp, layout.pp, layout.cp, layout.ep)
+    if want != got:
+        raise ConfigError(
+            "the script's layout world_size/tp/pp/cp/ep = %s differs from pitstop emulate's %s: "
+            "pass the same --tp/--pp (and --cp/--ep) to both" % ("/".join(map(str, got)), "/".join(map(str, want))))
+
+
+def boundary() -> None:
+    """An iteration boundary of the real rank (called by the session)."""
+    a = ACTIVE
+    if a is None:
+        return
+    now = time.perf_counter()
+    a.iter_s.append(now - a.t_last)
+    a.t_last = now
+    a.oracle.boundary()
+    out = Path(a.cfg.out)
+    if a.cfg.phase == "trace":
+        _write(out / "traces" / f"r{a.rank}.json", a.oracle.trace(source=f"pitstop emulate, rank {a.rank}").to_json())
+    metrics = {"rank": a.rank, "phase": a.cfg.phase, "iter_s": [round(x, 6) for x in a.iter_s],
+               "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "setup_s": round(a.setup_s, 4)}
+    if a.cfg.phase == "paced":
+        metrics.update(slept_s=round(a.oracle.slept_s, 6), late_ops=a.oracle.late, overrun=a.oracle.overrun)
+    _write(out / "metrics" / f"r{a.rank}.json", metrics)
+
+
+def _write(path: Path, data: Dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)

@@ -1,0 +1,179 @@
+"""``pitstop emulate``: a job of N ranks, run by a few real processes.
+
+Two phases, each a set of real processes under ``torch.distributed.elastic``::
+
+    1. trace    one real rank per pipeline stage (a requested real rank where it has
+                one, else the stage's rank with every other coordinate 0) runs the
+                script; their pipeline hand-offs are real, every other peer virtual.
+                Each writes its per-iteration timeline.
+    2. replay   the traces are sliced into the execution graph of the whole layout
+                (stored once per class) and replayed under the topology's alpha-beta
+                network model: when every one of the N ranks reaches each operation.
+    3. paced    the requested real ranks run the script again; each operation on a
+                group with virtual members returns at its replayed end time, so their
+                wall clock shows the target-scale iteration, bubbles and waits included.
+
+Output in ``--out``: ``report.json`` (per real rank: measured and replayed iteration
+time, the replayed breakdown, peak memory), ``trace.json`` (Chrome / Perfetto), and
+a table on the terminal. Bad input (a layout that does not divide N, real ranks
+outside the world, a topology file with missing fields) is refused before any
+process starts.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from pitstop.errors import ConfigError, EmulationError
+from pitstop.layout import ParallelLayout
+
+DEFAULT_TOPOLOGY = "cpu-gloo-loopback"
+
+
+@dataclass(frozen=True)
+class EmulateSpec:
+    world_size: int
+    tp: int
+    pp: int
+    real_ranks: List[int]
+    argv: List[str]
+    out: Path
+    topology: str = DEFAULT_TOPOLOGY
+    cp: int = 1
+    ep: int = 1
+    timeout_s: float = 900.0
+
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+
+
+def parse_ranks(text: str, world_size: int) -> List[int]:
+    """``"0,8191"`` -> [0, 8191], each checked against the world."""
+    try:
+        ranks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--real-ranks {text!r}: expected comma-separated integers, e.g. 0,8191") from None
+    if not ranks:
+        raise ConfigError(f"--real-ranks {text!r}: name at least one rank")
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(f"--real-ranks {text!r}: rank(s) {bad} outside the world 0..{world_size - 1}")
+    if len(set(ranks)) != len(ranks):
+        raise ConfigError(f"--real-ranks {text!r}: a rank is named twice")
+    return sorted(ranks)
+
+
+def validate(spec: EmulateSpec):
+    """Everything that can be checked before a process starts; returns (layout, topology)."""
+    from pitstop.emulation import topology as topo
+
+    layout = spec.layout()  # LayoutError names every factor
+    parse_ranks(",".join(map(str, spec.real_ranks)), spec.world_size)
+    topology = topo.load(spec.topology)
+    if not spec.argv:
+        raise ConfigError("pitstop emulate: no script given (-- SCRIPT ARGS...)")
+    return layout, topology
+
+
+def tracers(layout: ParallelLayout, real: Sequence[int]) -> List[int]:
+    """One rank per pipeline stage: a requested real rank of that stage, else its coordinate-0 rank."""
+    out = []
+    for s in range(layout.pp):
+        mine = [r for r in real if layout.coords(r)["pp"] == s]
+        out.append(mine[0] if mine else layout.rank(pp=s))
+    return out
+
+
+def _run_phase(job, name: str, spec: EmulateSpec, ranks: List[int], phase: str) -> None:
+    from pitstop.emulation.runtime import EmulationConfig
+
+    cfg = EmulationConfig(spec.world_size, spec.tp, spec.pp, list(ranks), phase, str(spec.out.resolve()), spec.cp, spec.ep)
+    ctx = job.start(name, spec.argv, ranks, spec.world_size, extra_env={r: cfg.to_env() for r in ranks})
+    res = ctx.wait(timeout=spec.timeout_s, period=0.2)
+    if res is None:
+        raise EmulationError(f"the {phase} phase ({len(ranks)} real ranks) did not finish in {spec.timeout_s:.0f}s\n"
+                             + job.log_tail(ctx))
+    if res.is_failed():
+        raise EmulationError(f"the {phase} phase failed: {res.failures}\n" + job.log_tail(ctx))
+
+
+def emulate(spec: EmulateSpec) -> Dict[str, Any]:
+    """Run both phases and the replay; write the report and the trace; return the report."""
+    from pitstop.emulation.chrome_trace import to_chrome_trace
+    from pitstop.emulation.graph import Trace, slice_graph
+    from pitstop.emulation.replay import replay
+    from pitstop.emulation.tracer import schedule_of
+    from pitstop.launch.local import LocalJob
+
+    layout, topology = validate(spec)
+    out = spec.out
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    job = LocalJob(out / "logs")
+    try:
+        traced = tracers(layout, spec.real_ranks)
+        _run_phase(job, "trace", spec, traced, "trace")
+        traces = [Trace.from_json(json.loads((out / "traces" / f"r{r}.json").read_text())) for r in traced]
+        t_graph = time.perf_counter()
+        graph = slice_graph(layout, traces)
+        result = replay(graph, topology)
+        replay_s = time.perf_counter() - t_graph
+        (out / "schedules").mkdir(exist_ok=True)
+        for r in spec.real_ranks:
+            (out / "schedules" / f"r{r}.json").write_text(json.dumps(schedule_of(result, r)))
+        _run_phase(job, "paced", spec, list(spec.real_ranks), "paced")
+    finally:
+        job.close()
+    report = _report(spec, layout, topology, result, traced, replay_s, time.perf_counter() - t0)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "trace.json").write_text(json.dumps(to_chrome_trace(result, sorted(set(spec.real_ranks) | set(result.partition.reps)))))
+    return report
+
+
+def _report(spec, layout, topology, result, traced, replay_s, wall_s) -> Dict[str, Any]:
+    ranks = []
+    for r in spec.real_ranks:
+        m = json.loads((spec.out / "metrics" / f"r{r}.json").read_text())  # the paced run's
+        measured = m["iter_s"][1:] or m["iter_s"]  # the first iteration pays lazy set-up
+        replayed = result.iteration_times(r)
+        bd = result.breakdown(r)
+        ranks.append({
+            "rank": r,
+            "coords": layout.coords(r),
+            "iter_s": round(statistics.median(measured), 6),
+            "replayed_iter_s": round(statistics.median(replayed), 6),
+            "error_pct": round(100 * (statistics.median(measured) - statistics.median(replayed)) / statistics.median(replayed), 3),
+            "breakdown_s": {k: round(v, 6) for k, v in bd.items()},
+            "peak_rss_bytes": m["max_rss_bytes"],
+            "paced": {"slept_s": m.get("slept_s"), "late_ops": m.get("late_ops"), "overrun": m.get("overrun")},
+            "traced_here": r in traced,
+        })
+    return {
+        "world_size": spec.world_size,
+        "layout": layout.describe(),
+        "real_ranks": spec.real_ranks,
+        "tracer_ranks": traced,
+        "topology": topology.name,
+        "classes": len(result.graph.classes()),
+        "distinct_timelines": len(result.partition.reps),
+        "replay_s": round(replay_s, 4),
+        "wall_s": round(wall_s, 2),
+        "ranks": ranks,
+    }
+
+
+def table(report: Dict[str, Any]) -> str:
+    lines = [f"pitstop emulate: world {report['world_size']} ({report['layout']}), topology {report['topology']}, "
+             f"{report['distinct_timelines']} distinct timelines, replay {report['replay_s']}s",
+             f"{'rank':>6} {'iter_s':>10} {'replayed':>10} {'err %':>7} {'compute':>9} {'comm':>8} {'wait':>8} {'bubble':>8} {'peak MiB':>9}"]
+    for r in report["ranks"]:
+        b = r["breakdown_s"]
+        lines.append(f"{r['rank']:>6} {r['iter_s']:>10.4f} {r['replayed_iter_s']:>10.4f} {r['error_pct']:>7.2f} "
+                     f"{b.get('compute', 0):>9.4f} {b.get('comm', 0):>8.4f} {b.get('comm_wait', 0):>8.4f} "
+                     f"{b.get('bubble', 0):>8.4f} {r['peak_rss_bytes'] / 2**20:>9.1f}")
+    return "\n".join(lines)

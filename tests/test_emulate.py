@@ -1,0 +1,135 @@
+"""``pitstop emulate``: tracer and pacing (tier 1), bad input (no process starts), and the
+end-to-end run of the Megatron-Core GPT at world 64 and 8,192 (tier 3)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pitstop.emulation.graph import Comm, Compute, slice_graph
+from pitstop.emulation.replay import replay
+from pitstop.emulation.synthetic import one_f_one_b_traces
+from pitstop.emulation.topology import load
+from pitstop.emulation.tracer import PacingOracle, TracingOracle, nbytes_of, peer_offset, schedule_of
+from pitstop.errors import ConfigError
+from pitstop.launch.emulate import EmulateSpec, parse_ranks, tracers, validate
+from pitstop.launch.runs import ROOT
+from pitstop.layout import ParallelLayout
+
+
+class G:
+    """The parts of a virtual group an oracle reads."""
+
+    def __init__(self, kind, rank=0, size=2):
+        self.kind, self._rank, self._size = kind, rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+class Nothing:
+    def serve(self, group, what, args):
+        pass
+
+
+# --------------------------------------------------------------------------- tier 1
+def test_buffer_sizes_and_pipeline_peers():
+    x = torch.zeros(4, 8)  # 128 bytes
+    assert nbytes_of("allreduce", ([x],)) == 128
+    assert nbytes_of("_allgather_base", (torch.zeros(64), x)) == 256  # the gathered output
+    assert nbytes_of("_reduce_scatter_base", (torch.zeros(8), x)) == 128  # the scattered input
+    assert nbytes_of("barrier", ()) == 0
+    assert peer_offset(G("pp", rank=0, size=4), "send", ([x], 1, 0)) == 1
+    assert peer_offset(G("pp", rank=2, size=4), "recv", ([x], 1, 0)) == -1
+    assert peer_offset(G("pp", rank=0, size=4), "recv", ([x], 3, 0)) == -1  # wraps, as Megatron's prev rank
+
+
+def test_tracing_oracle_writes_compute_and_comm_in_order():
+    t = TracingOracle(Nothing(), role=4, pp_rank=1, pp=2)
+    x = torch.zeros(16)
+    t.serve(G("world"), "barrier", ())  # set-up: counted, not traced
+    t.serve(G("pp", 1, 2), "recv", ([x], 0, 0))
+    time.sleep(0.01)
+    t.serve(G("tp"), "allreduce", ([x],))
+    t.boundary()
+    t.serve(G("pp", 1, 2), "recv", ([x], 0, 0))
+    t.boundary()
+    tr = t.trace(skip=1)
+    assert t.world_ops == 1 and str(tr.role_class) == "last@pp1"
+    assert len(tr.iterations) == 1 and [type(o).__name__ for o in tr.iterations[0]] == ["Compute", "Comm", "Compute"]
+    first = t.iterations[0]
+    assert [o.op for o in first if isinstance(o, Comm)] == ["recv", "all_reduce"]
+    assert first[1] == Comm("recv", "pp", 64, -1) and first[3] == Comm("all_reduce", "tp", 64)
+    assert first[2].duration_s >= 0.01  # the sleep between the two operations is compute
+
+
+def test_pacing_follows_the_replayed_schedule():
+    p = PacingOracle(Nothing(), [[0.05, 0.1]])
+    t0 = time.perf_counter()
+    p.serve(G("tp"), "allreduce", ([torch.zeros(1)],))
+    assert time.perf_counter() - t0 >= 0.05
+    p.serve(G("tp"), "allreduce", ([torch.zeros(1)],))
+    assert time.perf_counter() - t0 >= 0.1 and p.late == 0
+    p.serve(G("tp"), "allreduce", ([torch.zeros(1)],))  # one more than replayed: pacing stops, says why
+    assert p.overrun and "more than the 2 replayed" in p.overrun
+    p.boundary()
+    assert p.iteration == 1 and p.index == 0
+
+
+def test_schedule_of_a_replayed_pipeline_is_relative_to_each_iteration():
+    layout = ParallelLayout(2, pp=2)
+    graph = slice_graph(layout, one_f_one_b_traces(2, 2, iterations=2, fwd_s=0.01, bwd_s=0.02, act_bytes=4096, grad_bytes=4096))
+    result = replay(graph, load("cpu-gloo-loopback"))
+    for r in range(2):
+        sched = schedule_of(result, r)
+        assert len(sched) == 2
+        ends = result.iteration_times(r)
+        for it, times in enumerate(sched):
+            assert times == sorted(times) and 0 <= times[0] and times[-1] <= ends[it] + 1e-12
+        comm = [t for t in result.timeline(r) if isinstance(t.op, Comm)]
+        assert sum(len(s) for s in sched) == len(comm)
+
+
+# --------------------------------------------------------------------------- bad input, before any process
+def test_real_ranks_are_checked_against_the_world():
+    assert parse_ranks("8191,0", 8192) == [0, 8191]
+    with pytest.raises(ConfigError, match=r"rank\(s\) \[8192\] outside the world 0..8191"):
+        parse_ranks("0,8192", 8192)
+    with pytest.raises(ConfigError, match="comma-separated integers"):
+        parse_ranks("0;1", 8)
+    with pytest.raises(ConfigError, match="named twice"):
+        parse_ranks("1,1", 8)
+
+
+def test_tracers_cover_every_stage_with_the_requested_ranks_first():
+    layout = ParallelLayout(8192, tp=8, pp=8)
+    t = tracers(layout, [0, 8191])
+    assert len(t) == 8 and t[0] == 0 and t[-1] == 8191
+    assert [layout.coords(r)["pp"] for r in t] == list(range(8))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "pitstop.launch.cli", "emulate", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_bad_emulate_input_is_refused_before_anything_starts(tmp_path):
+    out = tmp_path / "out"
+    r = _cli("--world-size", "12", "--tp", "8", "--pp", "1", "--real-ranks", "0", "--out", str(out), "--", "x.py")
+    assert r.returncode == 2 and "tp(8)" in r.stderr and "world_size(12)" in r.stderr, r.stderr
+    r = _cli("--world-size", "64", "--tp", "2", "--pp", "2", "--real-ranks", "0,64", "--out", str(out), "--", "x.py")
+    assert r.returncode == 2 and "outside the world 0..63" in r.stderr, r.stderr
+    topo = tmp_path / "t.json"
+    topo.write_text(json.dumps({"gpus_per_node": 8, "intra_node": {"alpha_s": 1e-6}}))
+    r = _cli("--world-size", "8", "--real-ranks", "0", "--topology", str(topo), "--out", str(out), "--", "x.py")
+    assert r.returncode == 2 and "missing key(s) inter_node" in r.stderr, r.stderr
+    assert not out.exists() or not any((out / "logs").glob("*")), "a process was started"
