@@ -6,8 +6,9 @@ Four runs of the same world-8 job, in one invocation, eager and ``--compile``:
     warm   default:     rank 0 / 4 record iteration 1, the standby replays each stage kind
 
 In each, the fault injector SIGKILLs role 5 (last pipeline stage) in the forward pass
-of step 3 (warm: of the first step >= 3 at which the standby has finished its
-warmup, ``Fault.once_warm``), and a standby takes over. The controller's
+of step 3, and a standby takes over; in the warm run training holds after the
+recorded step 1 until the standby has replayed it (``--hold-for-warm``), so the same
+kill meets a warm standby (with ``--compile`` the sandbox compiles too). The controller's
 ``replaced`` event carries the joiner's first iteration and the stayers' steady
 iteration time measured in the same job, so every ratio compares two numbers of one
 run on the same noisy machine.
@@ -27,8 +28,9 @@ ROLE = 5
 
 def _job(d: Path, steps: int, warm: bool, compile_: bool) -> JobResult:
     fault = Fault.kill(rank=ROLE).at(step=3, phase="forward")
-    return run_job(d, steps, standby=1, faults=(fault.once_warm() if warm else fault).spec(), timeout=1800,
-                   launch_args=[] if warm else ["--no-warmup"], script_args=["--compile"] if compile_ else [])
+    return run_job(d, steps, standby=1, faults=fault.spec(), timeout=1800,
+                   launch_args=["--hold-for-warm", "1200"] if warm else ["--no-warmup"],
+                   script_args=["--compile"] if compile_ else [])
 
 
 def _summary(cold: JobResult, warm: JobResult) -> Dict[str, Any]:
@@ -74,7 +76,7 @@ def res_steps(res: JobResult) -> int:
     return max(res.losses) if res.losses else 0
 
 
-def bench_warmup(steps: int = 60, run_dir: str = "runs/bench-warmup", modes: List[str] = ("eager", "compiled")) -> Dict[str, Any]:
+def bench_warmup(steps: int = 20, run_dir: str = "runs/bench-warmup", modes: List[str] = ("eager", "compiled")) -> Dict[str, Any]:
     base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
     out: Dict[str, Any] = {}
     for mode in modes:

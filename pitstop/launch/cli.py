@@ -86,8 +86,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="tp2pp2: world 8, 4 roles; pp3: world 6 with a middle stage and warmed general standbys")
     w = bsub.add_parser("warmup", help="a joiner's first iteration, cold vs after the sandboxed warmup, eager and --compile")
     w.add_argument("--json", action="store_true")
-    w.add_argument("--steps", type=int, default=60,
-                   help="steps per job: enough for the standby to finish its warmup while training runs")
+    w.add_argument("--steps", type=int, default=20,
+                   help="steps per job (the kill is at step 3; the rest give the joiner's steady iteration)")
     w.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager,compiled")
     w.add_argument("--run-dir", default="runs/bench-warmup")
     return p
