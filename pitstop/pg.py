@@ -458,6 +458,12 @@ class CompositeGroup(dist.ProcessGroup):
     def alltoall_base(self, *a, **k):
         self._unsupported("all_to_all_single")
 
+    def all_gather_single(self, *a, **k):
+        self._unsupported("all_gather_into_tensor")
+
+    def reduce_scatter_single(self, *a, **k):
+        self._unsupported("reduce_scatter_tensor")
+
 
 # --------------------------------------------------------------------------- fault fence
 class Fence:
@@ -669,6 +675,12 @@ class GuardedGroup(dist.ProcessGroup):
     reduce_scatter = _forward("reduce_scatter")
     _reduce_scatter_base = _forward("_reduce_scatter_base")
     reduce_scatter_tensor_coalesced = _forward("reduce_scatter_tensor_coalesced")
+    # torch 2.13's all_gather_into_tensor / reduce_scatter_tensor (and their coalesced
+    # forms) call these; on a Python group they would reach the C++ base and fail
+    all_gather_single = _forward("all_gather_single")
+    reduce_scatter_single = _forward("reduce_scatter_single")
+    all_gather_single_coalesced = _forward("all_gather_single_coalesced")
+    reduce_scatter_single_coalesced = _forward("reduce_scatter_single_coalesced")
     broadcast = _forward("broadcast")
     reduce = _forward("reduce")
     gather = _forward("gather")

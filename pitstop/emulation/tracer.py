@@ -31,12 +31,15 @@ OPS = {
     "allgather_into_tensor_coalesced": "all_gather", "gather": "all_gather",
     "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
     "reduce_scatter_tensor_coalesced": "reduce_scatter", "scatter": "broadcast",
+    "all_gather_single": "all_gather", "all_gather_single_coalesced": "all_gather",
+    "reduce_scatter_single": "reduce_scatter", "reduce_scatter_single_coalesced": "reduce_scatter",
     "broadcast": "broadcast", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
     "barrier": "barrier", "monitored_barrier": "barrier", "send": "send", "recv": "recv",
     "recv_anysource": "recv",
 }
 #: Operations whose full buffer is the input (the second argument), not the output.
-_INPUT_SIZED = ("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base")
+_INPUT_SIZED = ("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "reduce_scatter_single",
+                "reduce_scatter_single_coalesced", "alltoall", "alltoall_base")
 
 
 def nbytes_of(what: str, args: tuple) -> int:

@@ -111,6 +111,10 @@ class VirtualGroup(dist.ProcessGroup):
     reduce_scatter = _method("reduce_scatter")
     _reduce_scatter_base = _method("_reduce_scatter_base")
     reduce_scatter_tensor_coalesced = _method("reduce_scatter_tensor_coalesced")
+    all_gather_single = _method("all_gather_single")  # torch 2.13's all_gather_into_tensor
+    reduce_scatter_single = _method("reduce_scatter_single")  # and reduce_scatter_tensor
+    all_gather_single_coalesced = _method("all_gather_single_coalesced")
+    reduce_scatter_single_coalesced = _method("reduce_scatter_single_coalesced")
     broadcast = _method("broadcast")
     reduce = _method("reduce")
     gather = _method("gather")
