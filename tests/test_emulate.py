@@ -72,7 +72,7 @@ def test_tracing_oracle_writes_compute_and_comm_in_order():
 
 
 def test_pacing_follows_the_replayed_schedule():
-    p = PacingOracle(Nothing(), [[0.05, 0.1]])
+    p = PacingOracle(Nothing(), [[0.05, 0.1]], skip=0)
     t0 = time.perf_counter()
     p.serve(G("tp"), "allreduce", ([torch.zeros(1)],))
     assert time.perf_counter() - t0 >= 0.05
@@ -82,6 +82,13 @@ def test_pacing_follows_the_replayed_schedule():
     assert p.overrun and "more than the 2 replayed" in p.overrun
     p.boundary()
     assert p.iteration == 1 and p.index == 0
+    t1 = time.perf_counter()
+    p.serve(G("tp"), "allreduce", ([torch.zeros(1)],))  # paced again in the next iteration
+    assert time.perf_counter() - t1 >= 0.05
+    q = PacingOracle(Nothing(), [[10.0]])  # skip=1: the set-up iteration is not paced
+    t2 = time.perf_counter()
+    q.serve(G("tp"), "allreduce", ([torch.zeros(1)],))
+    assert time.perf_counter() - t2 < 1.0
 
 
 def test_schedule_of_a_replayed_pipeline_is_relative_to_each_iteration():

@@ -96,7 +96,8 @@ def join(cfg: EmulationConfig, rank: int) -> None:
     t0 = time.perf_counter()
     layout = ParallelLayout(cfg.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
     store = connect_from_env()
-    oracle: Any = HybridOracle(cfg.real_ranks, rank, store, MirrorContributions())
+    # a fresh key space per phase: both phases share the launcher's store
+    oracle: Any = HybridOracle(cfg.real_ranks, rank, store, MirrorContributions(), prefix=f"pitstop-hybrid-{cfg.phase}")
     out = Path(cfg.out)
     if cfg.phase == "trace":
         from pitstop.emulation.tracer import TracingOracle

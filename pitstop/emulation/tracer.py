@@ -109,16 +109,19 @@ class PacingOracle:
     """Makes each operation of a real rank return at its replayed end time.
 
     ``schedule[i]`` lists, for replayed iteration ``i``, the end time of each of the
-    rank's comm operations relative to the iteration's start. Iteration ``k`` of the
-    real run follows ``schedule[k % len(schedule)]``. Compute stays real; so the real
-    rank's wall clock shows the target-scale job's waits and pipeline bubbles.
+    rank's comm operations relative to the iteration's start. The first ``skip`` real
+    iterations (set-up and lazy initialisation, which the trace left out too) run
+    unpaced; after them, real iteration ``k`` follows ``schedule[(k - skip) % len]``.
+    Compute stays real; so the real rank's wall clock shows the target-scale job's
+    waits and pipeline bubbles.
     """
 
-    def __init__(self, inner, schedule: Sequence[Sequence[float]]) -> None:
+    def __init__(self, inner, schedule: Sequence[Sequence[float]], skip: int = 1) -> None:
         if not schedule or not all(len(s) for s in schedule):
             raise EmulationError("pacing needs a replayed schedule with at least one operation per iteration")
         self.inner = inner
         self.schedule = [list(s) for s in schedule]
+        self.skip = skip
         self.iteration = 0
         self.index = 0
         self.t0 = time.perf_counter()
@@ -126,14 +129,17 @@ class PacingOracle:
         self.late: int = 0
         """Operations that came later than their replayed end (the real compute was slower)."""
         self.overrun: Optional[str] = None
+        """Why pacing gave up on an iteration (the last time it did)."""
+        self._off = False
 
     def serve(self, group, what: str, args: tuple) -> None:
         self.inner.serve(group, what, args)
-        if group.kind == "world" or self.overrun:
+        if group.kind == "world" or self.iteration < self.skip or self._off:
             return
-        ends = self.schedule[self.iteration % len(self.schedule)]
+        ends = self.schedule[(self.iteration - self.skip) % len(self.schedule)]
         if self.index >= len(ends):
             self.overrun = f"iteration {self.iteration + 1} issues more than the {len(ends)} replayed operations"
+            self._off = True  # for the rest of this iteration
             return
         wait = self.t0 + ends[self.index] - time.perf_counter()
         self.index += 1
@@ -146,6 +152,7 @@ class PacingOracle:
     def boundary(self) -> None:
         self.iteration += 1
         self.index = 0
+        self._off = False
         self.t0 = time.perf_counter()
 
 
