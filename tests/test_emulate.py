@@ -140,3 +140,49 @@ def test_bad_emulate_input_is_refused_before_anything_starts(tmp_path):
     r = _cli("--world-size", "8", "--real-ranks", "0", "--topology", str(topo), "--out", str(out), "--", "x.py")
     assert r.returncode == 2 and "missing key(s) inter_node" in r.stderr, r.stderr
     assert not out.exists() or not any((out / "logs").glob("*")), "a process was started"
+
+
+# --------------------------------------------------------------------------- tier 3
+def _emulate(tmp_path, world, tp, pp, real, *script_args):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pitstop.launch.cli", "emulate", "--world-size", str(world), "--tp", str(tp),
+           "--pp", str(pp), "--real-ranks", real, "--out", str(out), "--timeout", "400", "--",
+           "examples/train_gpt.py", "--tp", str(tp), "--pp", str(pp), "--steps", "4", *script_args]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return json.loads((out / "report.json").read_text()), json.loads((out / "trace.json").read_text()), r.stdout, out
+
+
+def _check(report, trace, out, world, real):
+    assert report["world_size"] == world and report["real_ranks"] == real
+    assert [r["rank"] for r in report["ranks"]] == real
+    for r in report["ranks"]:
+        b = r["breakdown_s"]
+        assert b["total"] == pytest.approx(b["compute"] + b["comm"] + b["comm_wait"] + b["bubble"], abs=5e-6)  # each rounded to 1 us
+        assert r["replayed_iter_s"] > 0 and r["iter_s"] > 0 and r["peak_rss_bytes"] > 0
+        m = json.loads((out / "metrics" / f"r{r['rank']}.json").read_text())
+        assert m["phase"] == "paced" and m["overrun"] is None and m["slept_s"] > 0, m  # paced to the replay
+    pids = {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert set(real) <= pids, (real, sorted(pids)[:10])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_emulate_gpt_at_world_64(tmp_path):
+    report, trace, stdout, out = _emulate(tmp_path, 64, 2, 2, "0,63")
+    _check(report, trace, out, 64, [0, 63])
+    assert report["tracer_ranks"] == [0, 63] and report["classes"] == 2
+    assert "err %" in stdout and "63" in stdout
+    # the traced first stage sends its activations to the next stage and reduces over tp and dp
+    t0 = json.loads((out / "traces" / "r0.json").read_text())
+    comms = {(o["comm"], o.get("group")) for it in t0["iterations"] for o in it if "comm" in o}
+    assert ("send", "pp") in comms and ("all_reduce", "tp") in comms
+    assert any(c[0] in ("reduce_scatter", "all_gather") and c[1] in ("dp", "dp-cp") for c in comms), comms
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_emulate_gpt_at_world_8192_with_two_real_ranks(tmp_path):
+    report, trace, _, out = _emulate(tmp_path, 8192, 8, 2, "0,8191", "--num-heads", "8")
+    _check(report, trace, out, 8192, [0, 8191])
+    assert report["distinct_timelines"] <= 8  # 8,192 ranks, a handful of timelines

@@ -159,7 +159,7 @@ def _report(spec, layout, topology, result, traced, replay_s, wall_s) -> Dict[st
         "real_ranks": spec.real_ranks,
         "tracer_ranks": traced,
         "topology": topology.name,
-        "classes": len(result.graph.classes()),
+        "classes": len(result.graph.programs),
         "distinct_timelines": len(result.partition.reps),
         "replay_s": round(replay_s, 4),
         "wall_s": round(wall_s, 2),
