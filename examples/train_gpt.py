@@ -68,6 +68,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-file", default=None, help="append the per-step JSON lines here")
     p.add_argument("--checksum", action="store_true", help="print a parameter checksum per rank")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--track-memory", action="store_true",
+                   help="count tensor memory from the start (pitstop.emulation.memory) and print its peak "
+                        "with --checksum: what `pitstop emulate` reports for a real rank")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer layer (parameter names unchanged; see compile_model)")
     g = p.add_mutually_exclusive_group()
@@ -427,6 +430,12 @@ def param_checksum(model: list) -> str:
     return h.hexdigest()
 
 
+def _peak_tensor_bytes():
+    from pitstop.emulation import memory
+
+    return memory.peak_bytes()
+
+
 def _rss_bytes() -> int:
     """Resident memory now (Linux), to compare a worker with a warmed standby."""
     try:
@@ -488,6 +497,10 @@ def sandbox_iteration(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace, t0: float) -> int:
+    if args.track_memory:
+        from pitstop.emulation import memory
+
+        memory.start()
     init_distributed(args)
     model, optimizer, make_data = setup(args)
 
@@ -528,6 +541,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
             "param_sha256": param_checksum(model),
             "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "rss_bytes": _rss_bytes(),
+            "peak_tensor_bytes": _peak_tensor_bytes(),
             "hook_s": round(session.hook_s, 4) if session else 0.0,
             "buddy_s": round(session.buddy_s, 4) if session else 0.0,
             "buddy_bytes": session.buddy.nbytes if session and session.buddy else 0,

@@ -20,6 +20,8 @@ Two Python process groups live here:
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -43,6 +45,25 @@ TAP: Optional[Callable[[str, str, tuple], Optional[Callable[[], None]]]] = None
 
 def _tapped(kind: str, what: str, args: tuple) -> Optional[Callable[[], None]]:
     return TAP(kind, what, args) if TAP is not None else None
+
+
+def _scratch():
+    """What a Python group allocates to do its work is the backend's, not the program's:
+    hidden from the tensor-memory tracker if one runs (looked up, not imported: this core
+    module does not depend on :mod:`pitstop.emulation`)."""
+    mem = sys.modules.get("pitstop.emulation.memory")
+    return mem.untracked() if mem is not None else contextlib.nullcontext()
+
+
+def _backend_work(method):
+    """Run a Python group's operation as backend work (see :func:`_scratch`)."""
+    def wrapped(self, *args, **kwargs):
+        with _scratch():
+            return method(self, *args, **kwargs)
+
+    wrapped.__name__ = method.__name__
+    wrapped.__doc__ = method.__doc__
+    return wrapped
 
 
 class DoneWork(dist._Work):
@@ -253,6 +274,7 @@ class StoreWorldGroup(dist.ProcessGroup):
         if cb is not None:
             cb()
 
+    @_backend_work
     def barrier(self, opts=None):  # noqa: ARG002
         if self.detached:
             self._next()
@@ -266,6 +288,7 @@ class StoreWorldGroup(dist.ProcessGroup):
         self._finish(op, [f"{op}/n", f"{op}/go"])
         return DoneWork()
 
+    @_backend_work
     def allreduce(self, tensors, opts=None):
         reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for t in tensors:
@@ -284,6 +307,7 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._tap("allreduce", (tensors,))
         return DoneWork(list(tensors))
 
+    @_backend_work
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
@@ -302,6 +326,7 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._tap("broadcast", (tensors,))
         return DoneWork(list(tensors))
 
+    @_backend_work
     def allgather(self, output_tensors, input_tensors, opts=None):  # noqa: ARG002
         for outs, t in zip(output_tensors, input_tensors):
             if self.detached:
@@ -320,6 +345,7 @@ class StoreWorldGroup(dist.ProcessGroup):
         if self.detached:  # a joiner's set-up does not checkpoint
             raise GroupError(f"world {what} on a joiner before it joined: it is not recorded, so it cannot be replayed")
 
+    @_backend_work
     def gather(self, output_tensors, input_tensors, opts=None):
         """Used by torch.distributed.checkpoint (``gather_object``) under Megatron's dist_checkpointing."""
         root = opts.rootRank if opts is not None else 0
@@ -335,6 +361,7 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._finish(op, keys)  # the last to finish deletes; the root has read by then
         return DoneWork([o for outs in output_tensors for o in outs])
 
+    @_backend_work
     def scatter(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for i, t in enumerate(output_tensors):
@@ -350,6 +377,7 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._finish(op, keys)
         return DoneWork(list(output_tensors))
 
+    @_backend_work
     def _allgather_base(self, output, input, opts=None):  # noqa: A002, ARG002
         if self.detached:
             return self._replay([output])

@@ -186,3 +186,26 @@ def test_emulate_gpt_at_world_8192_with_two_real_ranks(tmp_path):
     report, trace, _, out = _emulate(tmp_path, 8192, 8, 2, "0,8191", "--num-heads", "8")
     _check(report, trace, out, 8192, [0, 8191])
     assert report["distinct_timelines"] <= 8  # 8,192 ranks, a handful of timelines
+
+
+def test_peak_tracker_counts_live_storages_exactly():
+    import gc
+
+    from pitstop.emulation.memory import PeakTracker
+
+    tr = PeakTracker()
+    with tr:
+        a = torch.empty(1024, dtype=torch.uint8)
+        v = a.view(32, 32)  # same storage: counted once
+        b = torch.empty(2048, dtype=torch.uint8)
+        assert (tr.live_bytes, tr.peak_bytes) == (3072, 3072)
+        del a
+        assert tr.live_bytes == 3072  # the view keeps the storage alive
+        del v
+        gc.collect()
+        assert tr.live_bytes == 2048
+        with tr.paused():
+            scratch = torch.empty(4096, dtype=torch.uint8)  # an oracle's, not the program's
+        lin = torch.nn.Linear(16, 16)
+        assert tr.live_bytes == 2048 + (16 * 16 + 16) * 4 and tr.peak_bytes == tr.live_bytes
+    del b, scratch, lin

@@ -48,6 +48,9 @@ class EmulationConfig:
     out: str
     cp: int = 1
     ep: int = 1
+    track_memory: bool = True
+    """Count tensor memory (:mod:`pitstop.emulation.memory`) in the trace phase; the paced
+    phase never does, its timing must not pay for it."""
 
     def to_env(self) -> Dict[str, str]:
         return {ENV_EMULATE: json.dumps(asdict(self))}
@@ -94,6 +97,10 @@ def join(cfg: EmulationConfig, rank: int) -> None:
     from pitstop.store import connect_from_env
 
     t0 = time.perf_counter()
+    if cfg.phase == "trace" and cfg.track_memory:
+        from pitstop.emulation import memory
+
+        memory.start()  # before the model exists: every tensor of the program is counted
     layout = ParallelLayout(cfg.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
     store = connect_from_env()
     # a fresh key space per phase: both phases share the launcher's store
@@ -142,11 +149,14 @@ def boundary() -> None:
     out = Path(a.cfg.out)
     if a.cfg.phase == "trace":
         _write(out / "traces" / f"r{a.rank}.json", a.oracle.trace(source=f"pitstop emulate, rank {a.rank}").to_json())
+    from pitstop.emulation import memory
+
     metrics = {"rank": a.rank, "phase": a.cfg.phase, "iter_s": [round(x, 6) for x in a.iter_s],
-               "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "setup_s": round(a.setup_s, 4)}
+               "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "setup_s": round(a.setup_s, 4),
+               "peak_tensor_bytes": memory.peak_bytes()}
     if a.cfg.phase == "paced":
         metrics.update(slept_s=round(a.oracle.slept_s, 6), late_ops=a.oracle.late, overrun=a.oracle.overrun)
-    _write(out / "metrics" / f"r{a.rank}.json", metrics)
+    _write(out / "metrics" / f"{'trace-' if a.cfg.phase == 'trace' else ''}r{a.rank}.json", metrics)
 
 
 def _write(path: Path, data: Dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from typing import Iterator, List, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from pitstop.emulation.memory import untracked
 from pitstop.errors import GroupError
 from pitstop.pg import DoneWork, _outputs
 
@@ -72,7 +73,8 @@ def kind_of(group_name: str, ranks: List[int]) -> str:
 
 def _method(what: str):
     def method(self: "VirtualGroup", *args, **kwargs):  # noqa: ARG001 - options carry nothing we need
-        self.oracle.serve(self, what, args)
+        with untracked():  # an oracle's scratch for virtual peers is not the program's memory
+            self.oracle.serve(self, what, args)
         self.ops += 1
         return DoneWork(_outputs(what, args) if what not in ("send", "barrier", "monitored_barrier") else [])
 

@@ -139,6 +139,8 @@ def _report(spec, layout, topology, result, traced, replay_s, wall_s) -> Dict[st
     ranks = []
     for r in spec.real_ranks:
         m = json.loads((spec.out / "metrics" / f"r{r}.json").read_text())  # the paced run's
+        tm = spec.out / "metrics" / f"trace-r{r}.json"
+        peak = json.loads(tm.read_text()).get("peak_tensor_bytes") if tm.exists() else None
         measured = m["iter_s"][1:] or m["iter_s"]  # the first iteration pays lazy set-up
         replayed = result.iteration_times(r)
         bd = result.breakdown(r)
@@ -150,6 +152,7 @@ def _report(spec, layout, topology, result, traced, replay_s, wall_s) -> Dict[st
             "error_pct": round(100 * (statistics.median(measured) - statistics.median(replayed)) / statistics.median(replayed), 3),
             "breakdown_s": {k: round(v, 6) for k, v in bd.items()},
             "peak_rss_bytes": m["max_rss_bytes"],
+            "peak_tensor_bytes": peak,
             "paced": {"slept_s": m.get("slept_s"), "late_ops": m.get("late_ops"), "overrun": m.get("overrun")},
             "traced_here": r in traced,
         })
