@@ -58,8 +58,9 @@ def run_demo(steps: int = 80, run_dir: str = "runs/demo") -> int:
               f"{'warmed in the sandbox' if ev.get('warm') else 'cold'}, its first iteration took {ev.get('first_iter_s')}s")
     for ev in res.of("warmed"):
         ok = [c["cls"] for c in ev["classes"] if c["ok"]]
-        print(f"  warmup:    standby pid {ev['pid']} replayed the {', '.join(ok) or 'no'} stage record(s)"
-              f" ({ev['stopped'] or 'complete'}); resident {ev['rss_bytes'] / 2**20:.0f} MiB")
+        what = f"replayed the {', '.join(ok)} stage record(s)" if ok else "replayed no record"
+        why = {"": "complete", "interrupted": "it got a role first"}.get(ev["stopped"], ev["stopped"])
+        print(f"  warmup:    standby pid {ev['pid']} {what} ({why}); resident {ev['rss_bytes'] / 2**20:.0f} MiB")
     for ev in res.of("drained"):
         print(f"  planned:   role {ev['role']} ({ev['old']} -> {ev['new']}) after step {ev['step'] - 1}: pause {ev['pause_s']}s "
               f"(prepared in the background in {ev['prepare_s']}s; first step after {ev['first_step_s']}s)")
