@@ -172,15 +172,14 @@ def test_recorder_taps_guarded_groups_only_while_active():
     assert pgmod.TAP is None
 
 
-# --------------------------------------------------------------------------- the fault gate
-def test_fault_spec_round_trips_the_warm_gate():
-    f = Fault.kill(rank=2).at(step=3, phase="optimizer").once_warm()
-    assert f.warm and Fault.parse(f.spec()) == f
-    assert not Fault.parse(Fault.kill(1).spec()).warm
+# --------------------------------------------------------------------------- fault specs
+def test_fault_spec_refuses_an_unknown_key():
+    f = Fault.kill(rank=2).at(step=3, phase="optimizer")
+    assert Fault.parse(f.spec()) == f
     from pitstop.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="unknown key.*wram"):
-        Fault.parse("rank=1,wram=1")
+    with pytest.raises(ConfigError, match="unknown key.*sgnal"):
+        Fault.parse("rank=1,sgnal=STOP")
 
 
 def test_every_layout_class_pair_is_distinct():

@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
 
 from pitstop.emulation.graph import Comm, Compute, Op, RoleClass, Trace, stage_kind
 from pitstop.emulation.virtual import tensors_of
@@ -170,6 +169,3 @@ def schedule_of(result, rank: int) -> List[List[float]]:
         start = ends[i]
     return out
 
-
-def tensor_bytes(ts: Sequence[torch.Tensor]) -> int:
-    return int(sum(t.numel() * t.element_size() for t in ts))

@@ -237,7 +237,6 @@ class Controller:
         role = self._role_of_slot(slot) if slot is not None else None
         if slot is not None and slot in self.pool:
             self.pool.remove(slot)
-            self._publish_warm_pool()
             self._drop_standby(slot)
             self.events.write("standby-lost", slot=slot, pid=p.pid, exit=p.exit, log=self.agent.log_paths(p)["stderr"])
             if self.exit_code is None:
@@ -452,15 +451,7 @@ class Controller:
         """Take a warmed standby if there is one, else the longest-waiting one."""
         slot = next((s for s in self.pool if self._warm(s)), self.pool[0])
         self.pool.remove(slot)
-        self._publish_warm_pool()
         return slot
-
-    def _publish_warm_pool(self) -> None:
-        n = sum(1 for s in self.pool if self._warm(s))
-        if n:
-            self.store.set(keys.WARM_POOL, str(n))
-        else:
-            self.store.delete_key(keys.WARM_POOL)
 
     def _watch_warmup(self) -> None:
         """Log the records that workers publish and the warmups that standbys report."""
@@ -480,7 +471,6 @@ class Controller:
                                   rss_bytes=rep["rss_bytes"],
                                   classes=[{k: r[k] for k in ("cls", "role", "ok", "seconds", "ops", "error", "out")}
                                            for r in rep["results"]])
-                self._publish_warm_pool()
         if (not self.warm_all and len(self.pool) >= self.spec.standby
                 and all(s in self.warm_seen for s in self.pool)):
             self.warm_all = True

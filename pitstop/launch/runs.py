@@ -104,14 +104,6 @@ def wait_for_event(run_dir: Path, kind: str, n: int = 1, timeout: float = 300) -
     raise AssertionError(f"no {n} '{kind}' event(s) within {timeout}s in {run_dir}")
 
 
-def kill_role(run_dir: Path, role: int, sig: int = 9) -> int:
-    """Send a real signal to the process that plays ``role`` now (from roster.json); returns its pid."""
-    roster = json.loads((run_dir / "roster.json").read_text())
-    pid = int(roster["roles"][role]["pid"])
-    os.kill(pid, sig)
-    return pid
-
-
 def wait_for_step(run_dir: Path, step: int, timeout: float = 300) -> None:
     lf = run_dir / "loss.jsonl"
     deadline = time.monotonic() + timeout

@@ -4,8 +4,6 @@ Fluent form, for tests and benchmarks::
 
     Fault.kill(rank=5).at(step=3, phase="backward").env()   # {"PITSTOP_FAULT": "..."}
     Fault.stop(rank=2).at(step=4, phase="optimizer")        # SIGSTOP: a hang
-    Fault.kill(rank=0).at(step=2, phase="forward").once_warm()  # at step >= 2, once a
-                                                   # standby has finished its warmup
 
 The worker runtime reads ``PITSTOP_FAULT`` and arms hooks on the real model and
 optimizer. Only the process that first plays the role fires it: a joiner that
@@ -37,8 +35,6 @@ class Fault:
     step: int = 1
     phase: str = "forward"
     sig: str = "KILL"
-    warm: bool = False
-    """Fire at the first step >= ``step`` (in ``phase``) at which the pool holds a warmed standby."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -57,13 +53,10 @@ class Fault:
         return cls(rank, sig="STOP")
 
     def at(self, step: int, phase: str = "forward") -> "Fault":
-        return Fault(self.rank, step, phase, self.sig, self.warm)
-
-    def once_warm(self) -> "Fault":
-        return Fault(self.rank, self.step, self.phase, self.sig, True)
+        return Fault(self.rank, step, phase, self.sig)
 
     def spec(self) -> str:
-        return f"rank={self.rank},step={self.step},phase={self.phase},signal={self.sig}" + (",warm=1" if self.warm else "")
+        return f"rank={self.rank},step={self.step},phase={self.phase},signal={self.sig}"
 
     def env(self) -> Dict[str, str]:
         return {ENV_FAULT: self.spec()}
@@ -72,14 +65,13 @@ class Fault:
     def parse(cls, text: str) -> "Fault":
         try:
             kv = dict(part.split("=", 1) for part in text.split(",") if part)
-            unknown = sorted(set(kv) - {"rank", "step", "phase", "signal", "warm"})
+            unknown = sorted(set(kv) - {"rank", "step", "phase", "signal"})
             if unknown:
                 raise KeyError(f"unknown key(s) {', '.join(unknown)}")
-            return cls(int(kv["rank"]), int(kv.get("step", 1)), kv.get("phase", "forward"), kv.get("signal", "KILL"),
-                       kv.get("warm", "0") == "1")
+            return cls(int(kv["rank"]), int(kv.get("step", 1)), kv.get("phase", "forward"), kv.get("signal", "KILL"))
         except (KeyError, ValueError) as exc:
             raise ConfigError(
-                f"{ENV_FAULT}={text!r}: expected rank=R,step=S,phase=P[,signal=KILL|STOP][,warm=1] ({exc})"
+                f"{ENV_FAULT}={text!r}: expected rank=R,step=S,phase=P[,signal=KILL|STOP] ({exc})"
             ) from None
 
     @classmethod

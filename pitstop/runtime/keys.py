@@ -9,7 +9,6 @@ DONE = "ctl/done"                           # set when the job is over: standbys
 DRAIN_REQUEST = "ctl/drain/request"         # counter; payload under ctl/drain/request/<n>
 COMMITTED = "ctl/committed"                 # "g:s" of the last committed step
 FAULT_FIRED = "ctl/fault/fired"             # time.time() a fault injector fired at
-WARM_POOL = "ctl/warm-pool"                 # present while the pool holds a warmed standby (its count)
 WARM_ALL = "ctl/warm-all"                   # set once every standby of the first pool finished its warmup
 
 

@@ -186,7 +186,6 @@ def _report(store: dist.Store, slot: int, results: List[WarmupResult], stopped: 
 # --------------------------------------------------------------------------- the recording side
 class _Recording:
     recorder = None
-    paused = None
 
 
 def maybe_start_recording(layout, rank: int) -> bool:

@@ -491,13 +491,7 @@ class Session:
 
         def fire(phase: str) -> None:
             for f in self.faults:
-                if phase != f.phase:
-                    continue
-                if f.warm:  # the first step >= f.step at which a warmed standby waits
-                    due = self.step >= f.step and self.store.check([keys.WARM_POOL])
-                else:
-                    due = self.step == f.step
-                if due:
+                if self.step == f.step and phase == f.phase:
                     self.store.set(keys.FAULT_FIRED, f"{time.time():.6f}")
                     self._info("fault injector: signal %s in phase %s", f.sig, phase)
                     f.fire()
