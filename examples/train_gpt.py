@@ -23,6 +23,7 @@ The functions are importable (``build_model``, ``build_optimizer``, ``build_data
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -70,7 +71,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--track-memory", action="store_true",
                    help="count tensor memory from the start (pitstop.emulation.memory) and print its peak "
-                        "with --checksum: what `pitstop emulate` reports for a real rank")
+                        "with --checksum: what `pitstop emulate` reports for a real rank (the tracker collects garbage at boundaries)")
+    p.add_argument("--manual-gc", action="store_true",
+                   help="no automatic Python GC; collect at every iteration boundary (Megatron's --manual-gc): "
+                        "when a reference cycle holding tensors is freed then depends on the program, not on "
+                        "how many Python objects the surrounding code allocated, so peak memory is reproducible")
+    p.add_argument("--pin-core", action="store_true",
+                   help="pin this process to core LOCAL_RANK (mod the cores it may use): the ground truth "
+                        "of `pitstop bench emulation` runs each rank on its own core with one thread")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer layer (parameter names unchanged; see compile_model)")
     g = p.add_mutually_exclusive_group()
@@ -497,6 +505,12 @@ def sandbox_iteration(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace, t0: float) -> int:
+    if args.pin_core:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
+    manual_gc = args.manual_gc
+    if manual_gc:
+        gc.disable()
     if args.track_memory:
         from pitstop.emulation import memory
 
@@ -518,6 +532,8 @@ def _run(args: argparse.Namespace, t0: float) -> int:
         out = train_step(args, model, optimizer, session.data if session else data)
         if not commit(step):  # pitstop's iteration boundary: False = discarded, redone next
             continue
+        if manual_gc:
+            gc.collect()
         if is_logging_rank():
             line = json.dumps({
                 "step": step,
@@ -550,6 +566,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
             "first_iter_s": round(session.iter_s[0], 4) if session and session.iter_s else None,
             "median_iter_s": round(sorted(session.iter_s[1:])[len(session.iter_s[1:]) // 2], 4)
             if session and len(session.iter_s) > 1 else None,
+            "iter_s": [round(x, 6) for x in session.iter_s] if session else [],
         }), flush=True)
     if is_logging_rank():
         print(json.dumps({"done": True, "wall_s": round(time.perf_counter() - t0, 2)}), flush=True)

@@ -21,6 +21,7 @@ Two Python process groups live here:
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -575,6 +576,12 @@ class GuardedWork(dist._Work):
             return True
         inner, self._inner = self._inner, None
         ok = self._wait(inner, timeout)
+        # Keep the finished work (and the tensors it holds) until this object dies in the
+        # caller's thread: else the communicator's worker thread may drop the last
+        # reference, and when a tensor dies would depend on thread timing (memory peaks
+        # that differ run to run by one buffer).
+        self._finished = inner
+        os.sched_yield()  # and give that thread (pinned to our core, maybe) the chance to let go now
         if self._on_done is not None and not self._group.broken:
             self._on_done()
         return ok
@@ -588,10 +595,12 @@ class GuardedWork(dist._Work):
         if p2p:
             # gloo ends a send/recv whose timed wait expires, so wait in a helper thread
             done, box = threading.Event(), {}
-            threading.Thread(target=_wait_into, args=(inner, done, box), daemon=True).start()
+            waiter = threading.Thread(target=_wait_into, args=(inner, done, box), daemon=True)
+            waiter.start()
         while True:
             if p2p:
                 if done.wait(self.POLL.total_seconds()):
+                    waiter.join()  # it held the work: let go of it before the caller goes on
                     if "error" in box:
                         self._group.failed(self._what, box["error"])
                     return True

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,10 +144,10 @@ def test_bad_emulate_input_is_refused_before_anything_starts(tmp_path):
 
 
 # --------------------------------------------------------------------------- tier 3
-def _emulate(tmp_path, world, tp, pp, real, *script_args):
+def _emulate(tmp_path, world, tp, pp, real, *script_args, emu_args=()):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "pitstop.launch.cli", "emulate", "--world-size", str(world), "--tp", str(tp),
-           "--pp", str(pp), "--real-ranks", real, "--out", str(out), "--timeout", "400", "--",
+           "--pp", str(pp), "--real-ranks", real, "--out", str(out), "--timeout", "400", *emu_args, "--",
            "examples/train_gpt.py", "--tp", str(tp), "--pp", str(pp), "--steps", "4", *script_args]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
@@ -171,6 +172,9 @@ def _check(report, trace, out, world, real):
 def test_emulate_gpt_at_world_64(tmp_path):
     report, trace, stdout, out = _emulate(tmp_path, 64, 2, 2, "0,63")
     _check(report, trace, out, 64, [0, 63])
+    # the memory phase counted each real rank's tensors; the last stage holds another model half
+    peaks = [r["peak_tensor_bytes"] for r in report["ranks"]]
+    assert all(p and p > 100_000 for p in peaks) and peaks[0] != peaks[1], peaks
     assert report["tracer_ranks"] == [0, 63] and report["classes"] == 2
     assert "err %" in stdout and "63" in stdout
     # the traced first stage sends its activations to the next stage and reduces over tp and dp
@@ -183,7 +187,9 @@ def test_emulate_gpt_at_world_64(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_emulate_gpt_at_world_8192_with_two_real_ranks(tmp_path):
-    report, trace, _, out = _emulate(tmp_path, 8192, 8, 2, "0,8191", "--num-heads", "8")
+    report, trace, _, out = _emulate(tmp_path, 8192, 8, 2, "0,8191", "--num-heads", "8", emu_args=("--no-memory",))
+    assert all(r["peak_tensor_bytes"] is None for r in report["ranks"])  # --no-memory: no memory phase
+    assert all(r["init"]["groups"] > 0 and r["init"]["init_s"] > 0 for r in report["ranks"])
     _check(report, trace, out, 8192, [0, 8191])
     assert report["distinct_timelines"] <= 8  # 8,192 ranks, a handful of timelines
 
@@ -209,3 +215,59 @@ def test_peak_tracker_counts_live_storages_exactly():
         lin = torch.nn.Linear(16, 16)
         assert tr.live_bytes == 2048 + (16 * 16 + 16) * 4 and tr.peak_bytes == tr.live_bytes
     del b, scratch, lin
+
+
+def test_peak_tracker_follows_a_storage_swapped_under_a_live_tensor():
+    """``p.data = other`` frees the old storage while the tensor lives on (Megatron does
+    this to its parameters): the tracker must see the old storage go, and a reused
+    address must not be mistaken for it."""
+    from pitstop.emulation.memory import PeakTracker
+
+    tr = PeakTracker()
+    with tr:
+        p = torch.empty(1000, dtype=torch.uint8)
+        p.data = torch.empty(10, dtype=torch.uint8)
+        assert tr.live_bytes == 10  # the 1000-byte storage died with the swap
+        q = torch.empty(1000, dtype=torch.uint8)  # may reuse the freed address
+        assert tr.live_bytes == 1010 and tr.peak_bytes == 1010
+    del p, q
+
+
+# --------------------------------------------------------------------------- memory, tier 3
+def _real_peaks(tmp_path, name, *script_args):
+    from pitstop.launch.local import LocalJob
+
+    job = LocalJob(tmp_path / name)
+    try:
+        ctx = job.start(name, ["examples/train_gpt.py", *script_args, "--steps", "3", "--checksum", "--track-memory"],
+                        range(2), 2)
+        res = ctx.wait(timeout=240, period=0.2)
+        assert res is not None and not res.is_failed(), job.log_tail(ctx)
+        peaks = {}
+        for path in ctx.stdouts.values():
+            for line in Path(path).read_text().splitlines():
+                if line.startswith('{"rank"'):
+                    rec = json.loads(line)
+                    peaks[rec["rank"]] = rec["peak_tensor_bytes"]
+        return peaks
+    finally:
+        job.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_emulated_peak_memory_equals_the_real_runs_byte_for_byte(tmp_path, layout):
+    """World 2: a real gloo run of both ranks against ``pitstop emulate`` with the rank
+    real and its peer virtual. The peak tensor bytes must be equal, not close."""
+    from pitstop.launch.emulate import EmulateSpec, measure_memory
+
+    tp, pp = (2, 1) if layout == "tp2" else (1, 2)
+    args = ["--tp", str(tp), "--pp", str(pp)]
+    real = _real_peaks(tmp_path, "real", *args)
+    rank = 1 if layout == "pp2" else 0  # pp2: the last stage (loss, receives activations)
+    spec = EmulateSpec(2, tp, pp, [rank], ["examples/train_gpt.py", *args, "--steps", "3"], tmp_path / "emu",
+                       timeout_s=240)
+    emulated = measure_memory(spec)
+    assert real[rank] > 1_000_000
+    assert emulated[rank] == real[rank], (layout, rank, emulated, real)

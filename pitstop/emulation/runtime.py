@@ -10,7 +10,10 @@ exchange real data, virtual members' contributions are synthesised). On top of i
 * phase ``trace``: a :class:`~pitstop.emulation.tracer.TracingOracle` writes the
   rank's timeline to ``<out>/traces/r<rank>.json`` at every iteration boundary;
 * phase ``paced``: a :class:`~pitstop.emulation.tracer.PacingOracle` makes each
-  operation return at its replayed end time (``<out>/schedules/r<rank>.json``).
+  operation return at its replayed end time (``<out>/schedules/r<rank>.json``);
+* phase ``memory``: the tensor-memory tracker (:mod:`pitstop.emulation.memory`) counts
+  every allocation of the program from before the model exists. A phase of its own:
+  the tracker's cost must not reach the traced compute times or the paced ones.
 
 Either way ``<out>/metrics/r<rank>.json`` gets the rank's measured iteration times
 and memory at every boundary.
@@ -32,6 +35,7 @@ from pitstop.errors import ConfigError
 log = logging.getLogger("pitstop.emulate")
 
 ENV_EMULATE = "PITSTOP_EMULATE"
+PHASES = ("trace", "paced", "memory")
 
 
 @dataclass(frozen=True)
@@ -44,13 +48,10 @@ class EmulationConfig:
     real_ranks: List[int]
     """The ranks that run as processes in this phase (they exchange real data)."""
     phase: str
-    """``trace`` or ``paced``."""
+    """``trace``, ``paced`` or ``memory``."""
     out: str
     cp: int = 1
     ep: int = 1
-    track_memory: bool = True
-    """Count tensor memory (:mod:`pitstop.emulation.memory`) in the trace phase; the paced
-    phase never does, its timing must not pay for it."""
 
     def to_env(self) -> Dict[str, str]:
         return {ENV_EMULATE: json.dumps(asdict(self))}
@@ -64,8 +65,8 @@ class EmulationConfig:
             cfg = cls(**json.loads(raw))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{ENV_EMULATE}={raw[:200]!r}: {exc}") from None
-        if cfg.phase not in ("trace", "paced"):
-            raise ConfigError(f"{ENV_EMULATE}: phase {cfg.phase!r}; expected trace or paced")
+        if cfg.phase not in PHASES:
+            raise ConfigError(f"{ENV_EMULATE}: phase {cfg.phase!r}; expected one of {', '.join(PHASES)}")
         return cfg
 
 
@@ -75,8 +76,12 @@ class _Active:
     rank: int
     oracle: Any
     iter_s: List[float] = field(default_factory=list)
-    t_last: float = field(default_factory=time.perf_counter)
+    t0: float = field(default_factory=time.perf_counter)
+    rss0: int = 0
     setup_s: float = 0.0
+    """Joining the virtual world (the default group)."""
+    init: Dict[str, Any] = field(default_factory=dict)
+    """The model-parallel initialisation: seconds from joining, RSS growth, groups built."""
 
 
 ACTIVE: Optional[_Active] = None
@@ -96,8 +101,8 @@ def join(cfg: EmulationConfig, rank: int) -> None:
     from pitstop.layout import ParallelLayout
     from pitstop.store import connect_from_env
 
-    t0 = time.perf_counter()
-    if cfg.phase == "trace" and cfg.track_memory:
+    t0, rss0 = time.perf_counter(), _rss_bytes()
+    if cfg.phase == "memory":
         from pitstop.emulation import memory
 
         memory.start()  # before the model exists: every tensor of the program is counted
@@ -110,7 +115,7 @@ def join(cfg: EmulationConfig, rank: int) -> None:
         from pitstop.emulation.tracer import TracingOracle
 
         oracle = TracingOracle(oracle, rank, layout.coords(rank)["pp"], layout.pp)
-    else:
+    elif cfg.phase == "paced":
         from pitstop.emulation.tracer import PacingOracle
 
         schedule = json.loads((out / "schedules" / f"r{rank}.json").read_text())
@@ -119,7 +124,7 @@ def join(cfg: EmulationConfig, rank: int) -> None:
     virtual.set_oracle(oracle)
     dist.init_process_group(virtual.VIRTUAL_BACKEND, store=dist.PrefixStore("pitstop/emulate", store),
                             rank=rank, world_size=cfg.world_size)
-    ACTIVE = _Active(cfg, rank, oracle, setup_s=time.perf_counter() - t0)
+    ACTIVE = _Active(cfg, rank, oracle, t0=t0, rss0=rss0, setup_s=time.perf_counter() - t0)
     log.info("[emulate r%d] %s phase in a world of %d (%s); real ranks %s", rank, cfg.phase, cfg.world_size,
              layout.describe(), cfg.real_ranks)
 
@@ -137,15 +142,32 @@ def check_layout(layout) -> None:
             "pass the same --tp/--pp (and --cp/--ep) to both" % ("/".join(map(str, got)), "/".join(map(str, want))))
 
 
-def boundary() -> None:
-    """An iteration boundary of the real rank (called by the session)."""
+def groups_ready(groups: int) -> None:
+    """pitstop's ``initialize_model_parallel`` finished: note what the virtualised
+    initialisation cost (from joining the world: seconds and resident memory)."""
+    a = ACTIVE
+    if a is not None and not a.init:
+        a.init = {"init_s": round(time.perf_counter() - a.t0, 4), "init_rss_bytes": _rss_bytes() - a.rss0,
+                  "groups": groups}
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def boundary(iter_s: float) -> None:
+    """An iteration boundary of the real rank (called by the session with the iteration's
+    loop-body time, measured as a real run's session measures it)."""
     a = ACTIVE
     if a is None:
         return
-    now = time.perf_counter()
-    a.iter_s.append(now - a.t_last)
-    a.t_last = now
-    a.oracle.boundary()
+    a.iter_s.append(iter_s)
+    if a.cfg.phase != "memory":
+        a.oracle.boundary()
     out = Path(a.cfg.out)
     if a.cfg.phase == "trace":
         _write(out / "traces" / f"r{a.rank}.json", a.oracle.trace(source=f"pitstop emulate, rank {a.rank}").to_json())
@@ -153,10 +175,15 @@ def boundary() -> None:
 
     metrics = {"rank": a.rank, "phase": a.cfg.phase, "iter_s": [round(x, 6) for x in a.iter_s],
                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "setup_s": round(a.setup_s, 4),
-               "peak_tensor_bytes": memory.peak_bytes()}
+               "peak_tensor_bytes": memory.peak_bytes(), **a.init}
     if a.cfg.phase == "paced":
         metrics.update(slept_s=round(a.oracle.slept_s, 6), late_ops=a.oracle.late, overrun=a.oracle.overrun)
-    _write(out / "metrics" / f"{'trace-' if a.cfg.phase == 'trace' else ''}r{a.rank}.json", metrics)
+    _write(out / "metrics" / metrics_name(a.cfg.phase, a.rank), metrics)
+
+
+def metrics_name(phase: str, rank: int) -> str:
+    """``r5.json`` for the paced phase (the report's), ``trace-r5.json``, ``memory-r5.json``."""
+    return f"r{rank}.json" if phase == "paced" else f"{phase}-r{rank}.json"
 
 
 def _write(path: Path, data: Dict[str, Any]) -> None:

@@ -284,6 +284,8 @@ def initialize_model_parallel(
     sandbox.maybe_start_recording(layout, dist.get_rank())
     reg.build()
     install(reg, create_gloo_process_groups)
+    if emulation.active():
+        emulation.groups_ready(len(reg.entries()))
     return reg
 
 

@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="a topology JSON/TOML file, or a shipped name: cpu-gloo-loopback (default), h200-nvlink-ib")
     em.add_argument("--out", default="runs/emulate", help="report.json, trace.json, logs (default runs/emulate)")
     em.add_argument("--timeout", type=float, default=900.0, metavar="S", help="per phase")
+    em.add_argument("--no-memory", action="store_true",
+                    help="skip the memory phase (the real ranks' peak tensor bytes; one more run of the script)")
     em.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS... (give the script the same --tp/--pp)")
 
     b = sub.add_parser("bench", help="benchmarks; each prints one JSON object")
@@ -90,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="steps per job (the kill is at step 3; the rest give the joiner's steady iteration)")
     w.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager,compiled")
     w.add_argument("--run-dir", default="runs/bench-warmup")
+    e = bsub.add_parser("emulation", help="emulation fidelity (TP2/PP2/DP2 at world 2 vs real runs) and scale (world 8192)")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--steps", type=int, default=10, help="steps per run (the first is left out of the medians)")
+    e.add_argument("--configs", default="tp2,pp2,dp2", help="comma-separated subset of tp2,pp2,dp2 (empty: none)")
+    e.add_argument("--no-scale", action="store_true", help="skip the world-8192 row")
+    e.add_argument("--run-dir", default="runs/bench-emulation")
     return p
 
 
@@ -133,6 +141,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             out = bench_warmup(steps=args.steps, run_dir=args.run_dir, modes=modes)
             print(json.dumps(out) if args.json else json.dumps(out, indent=2))
             return 0
+        if args.cmd == "bench" and args.bench == "emulation":
+            from pitstop.launch.bench_emulation import main as bench_emulation
+
+            out = bench_emulation(args.run_dir, args.steps, args.configs, not args.no_scale)
+            print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+            return 0
         if args.cmd == "emulate":
             return _emulate(args)
         if args.cmd == "demo":
@@ -163,7 +177,7 @@ def _emulate(args) -> int:
 
     ParallelLayout(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)  # names every factor
     spec = EmulateSpec(args.world_size, args.tp, args.pp, parse_ranks(args.real_ranks, args.world_size), script,
-                       Path(args.out), args.topology, args.cp, args.ep, args.timeout)
+                       Path(args.out), args.topology, args.cp, args.ep, args.timeout, memory=not args.no_memory)
     report = emulate(spec)
     print(table(report))
     print(f"report: {spec.out / 'report.json'}   trace: {spec.out / 'trace.json'} (ui.perfetto.dev)")

@@ -12,6 +12,9 @@ Two phases, each a set of real processes under ``torch.distributed.elastic``::
     3. paced    the requested real ranks run the script again; each operation on a
                 group with virtual members returns at its replayed end time, so their
                 wall clock shows the target-scale iteration, bubbles and waits included.
+    4. memory   the requested real ranks run once more, unpaced, with every tensor
+                allocation counted (on CPU; a GPU has its allocator's peak). A phase
+                of its own, so the counting never slows a timed phase.
 
 Output in ``--out``: ``report.json`` (per real rank: measured and replayed iteration
 time, the replayed breakdown, peak memory), ``trace.json`` (Chrome / Perfetto), and
@@ -47,6 +50,11 @@ class EmulateSpec:
     cp: int = 1
     ep: int = 1
     timeout_s: float = 900.0
+    trace_ranks: Optional[List[int]] = None
+    """Who runs the trace phase (default :func:`tracers`). ``pitstop bench emulation``
+    traces a fully real small world: every rank, so the trace is of a real run."""
+    memory: bool = True
+    """Run the memory phase (peak tensor bytes per real rank)."""
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
@@ -74,6 +82,12 @@ def validate(spec: EmulateSpec):
 
     layout = spec.layout()  # LayoutError names every factor
     parse_ranks(",".join(map(str, spec.real_ranks)), spec.world_size)
+    if spec.trace_ranks is not None:
+        parse_ranks(",".join(map(str, spec.trace_ranks)), spec.world_size)
+        missing = [r for r in tracers(layout, spec.real_ranks) if r not in spec.trace_ranks]
+        if missing:
+            raise ConfigError(f"trace ranks {spec.trace_ranks} leave out the tracer rank(s) {missing} "
+                              "(one per pipeline stage)")
     topology = topo.load(spec.topology)
     if not spec.argv:
         raise ConfigError("pitstop emulate: no script given (-- SCRIPT ARGS...)")
@@ -89,9 +103,10 @@ def tracers(layout: ParallelLayout, real: Sequence[int]) -> List[int]:
     return out
 
 
-def _run_phase(job, name: str, spec: EmulateSpec, ranks: List[int], phase: str) -> None:
+def _run_phase(job, name: str, spec: EmulateSpec, ranks: List[int], phase: str) -> float:
     from pitstop.emulation.runtime import EmulationConfig
 
+    t0 = time.perf_counter()
     cfg = EmulationConfig(spec.world_size, spec.tp, spec.pp, list(ranks), phase, str(spec.out.resolve()), spec.cp, spec.ep)
     ctx = job.start(name, spec.argv, ranks, spec.world_size, extra_env={r: cfg.to_env() for r in ranks})
     res = ctx.wait(timeout=spec.timeout_s, period=0.2)
@@ -100,6 +115,22 @@ def _run_phase(job, name: str, spec: EmulateSpec, ranks: List[int], phase: str) 
                              + job.log_tail(ctx))
     if res.is_failed():
         raise EmulationError(f"the {phase} phase failed: {res.failures}\n" + job.log_tail(ctx))
+    return time.perf_counter() - t0
+
+
+def measure_memory(spec: EmulateSpec) -> Dict[int, Optional[int]]:
+    """Only the memory phase: each real rank's peak tensor bytes (no trace, no replay)."""
+    from pitstop.launch.local import LocalJob
+
+    validate(spec)
+    spec.out.mkdir(parents=True, exist_ok=True)
+    job = LocalJob(spec.out / "logs")
+    try:
+        _run_phase(job, "memory", spec, list(spec.real_ranks), "memory")
+    finally:
+        job.close()
+    return {r: json.loads((spec.out / "metrics" / f"memory-r{r}.json").read_text())["peak_tensor_bytes"]
+            for r in spec.real_ranks}
 
 
 def emulate(spec: EmulateSpec) -> Dict[str, Any]:
@@ -115,9 +146,10 @@ def emulate(spec: EmulateSpec) -> Dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     job = LocalJob(out / "logs")
+    phases: Dict[str, float] = {}
     try:
         traced = tracers(layout, spec.real_ranks)
-        _run_phase(job, "trace", spec, traced, "trace")
+        phases["trace_s"] = _run_phase(job, "trace", spec, spec.trace_ranks or traced, "trace")
         traces = [Trace.from_json(json.loads((out / "traces" / f"r{r}.json").read_text())) for r in traced]
         t_graph = time.perf_counter()
         graph = slice_graph(layout, traces)
@@ -126,10 +158,17 @@ def emulate(spec: EmulateSpec) -> Dict[str, Any]:
         (out / "schedules").mkdir(exist_ok=True)
         for r in spec.real_ranks:
             (out / "schedules" / f"r{r}.json").write_text(json.dumps(schedule_of(result, r)))
-        _run_phase(job, "paced", spec, list(spec.real_ranks), "paced")
+        phases["paced_s"] = _run_phase(job, "paced", spec, list(spec.real_ranks), "paced")
+        if spec.memory:
+            phases["memory_s"] = _run_phase(job, "memory", spec, list(spec.real_ranks), "memory")
     finally:
         job.close()
+    import resource
+
+    phases["replay_s"] = round(replay_s, 4)
     report = _report(spec, layout, topology, result, traced, replay_s, time.perf_counter() - t0)
+    report["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
+    report["launcher_max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "trace.json").write_text(json.dumps(to_chrome_trace(result, sorted(set(spec.real_ranks) | set(result.partition.reps)))))
     return report
@@ -139,8 +178,8 @@ def _report(spec, layout, topology, result, traced, replay_s, wall_s) -> Dict[st
     ranks = []
     for r in spec.real_ranks:
         m = json.loads((spec.out / "metrics" / f"r{r}.json").read_text())  # the paced run's
-        tm = spec.out / "metrics" / f"trace-r{r}.json"
-        peak = json.loads(tm.read_text()).get("peak_tensor_bytes") if tm.exists() else None
+        mm = spec.out / "metrics" / f"memory-r{r}.json"
+        mem = json.loads(mm.read_text()) if mm.exists() else {}
         measured = m["iter_s"][1:] or m["iter_s"]  # the first iteration pays lazy set-up
         replayed = result.iteration_times(r)
         bd = result.breakdown(r)
@@ -152,7 +191,8 @@ def _report(spec, layout, topology, result, traced, replay_s, wall_s) -> Dict[st
             "error_pct": round(100 * (statistics.median(measured) - statistics.median(replayed)) / statistics.median(replayed), 3),
             "breakdown_s": {k: round(v, 6) for k, v in bd.items()},
             "peak_rss_bytes": m["max_rss_bytes"],
-            "peak_tensor_bytes": peak,
+            "peak_tensor_bytes": mem.get("peak_tensor_bytes"),
+            "init": {k: m.get(k) for k in ("setup_s", "init_s", "init_rss_bytes", "groups")},
             "paced": {"slept_s": m.get("slept_s"), "late_ops": m.get("late_ops"), "overrun": m.get("overrun")},
             "traced_here": r in traced,
         })
@@ -173,10 +213,14 @@ def _report(spec, layout, topology, result, traced, replay_s, wall_s) -> Dict[st
 def table(report: Dict[str, Any]) -> str:
     lines = [f"pitstop emulate: world {report['world_size']} ({report['layout']}), topology {report['topology']}, "
              f"{report['distinct_timelines']} distinct timelines, replay {report['replay_s']}s",
-             f"{'rank':>6} {'iter_s':>10} {'replayed':>10} {'err %':>7} {'compute':>9} {'comm':>8} {'wait':>8} {'bubble':>8} {'peak MiB':>9}"]
+             f"{'rank':>6} {'iter_s':>10} {'replayed':>10} {'err %':>7} {'compute':>9} {'comm':>8} {'wait':>8} {'bubble':>8} {'tensor MiB':>10} {'rss MiB':>8}"]
     for r in report["ranks"]:
         b = r["breakdown_s"]
         lines.append(f"{r['rank']:>6} {r['iter_s']:>10.4f} {r['replayed_iter_s']:>10.4f} {r['error_pct']:>7.2f} "
                      f"{b.get('compute', 0):>9.4f} {b.get('comm', 0):>8.4f} {b.get('comm_wait', 0):>8.4f} "
-                     f"{b.get('bubble', 0):>8.4f} {r['peak_rss_bytes'] / 2**20:>9.1f}")
+                     f"{b.get('bubble', 0):>8.4f} {_mib(r['peak_tensor_bytes']):>10} {r['peak_rss_bytes'] / 2**20:>8.1f}")
     return "\n".join(lines)
+
+
+def _mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from pitstop import pg as pgmod
 from pitstop.errors import PitstopError, RecoveryError
 from pitstop.plan import plan_replace
+from pitstop.emulation import memory
 from pitstop.runtime import keys, sandbox, state
 from pitstop.runtime.faults import Fault
 from pitstop.runtime.swap import swap_groups
@@ -161,10 +162,14 @@ class Session:
         (``steps`` then yields it again, after recovery)."""
         step = self.step if step is None else step
         if not self.controlled:
+            iter_s = time.perf_counter() - self._t_step
+            self.iter_s.append(iter_s)
+            self.steps_committed += 1
             if self.m.mode == "emulate":
                 from pitstop.emulation import runtime as emulation
 
-                emulation.boundary()
+                emulation.boundary(iter_s)
+            memory.boundary()
             self._committed = True
             return True
         t0 = time.perf_counter()
@@ -196,6 +201,7 @@ class Session:
             if self.cfg.warmup and self.cfg.hold_for_warm_s and self.m.mode == "worker" and self.m.epoch == 0 \
                     and self.steps_committed == 1:
                 self._hold_for_warm()
+            memory.boundary()
             self._committed = True
             return True
         self._info("step discarded (%s)", verdict[:120])
