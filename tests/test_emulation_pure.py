@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from pitstop.emulation.calibrate import fit_alpha_beta
+from pitstop.emulation.calibrate import fit_alpha_beta, fit_link
 from pitstop.emulation.chrome_trace import to_chrome_trace
 from pitstop.emulation.graph import (
     Comm, Compute, RoleClass, Trace, dump_traces, load_traces, slice_graph, stage_kind,
@@ -140,6 +140,22 @@ def test_fit_alpha_beta_recovers_a_line():
     assert alpha == pytest.approx(A, rel=1e-9) and beta == pytest.approx(1 / BW, rel=1e-9)
     with pytest.raises(Exception, match="2 distinct sizes"):
         fit_alpha_beta([5, 5], [1.0, 1.0])
+
+
+def test_fit_link_recovers_the_link_from_measured_collectives():
+    """Rows measured in a fully real trace: the fit inverts the cost model the replay uses,
+    averages repeats of one operation, and leaves p2p and barriers out."""
+    link = LinkClass("intra_node", A, BW)
+    ops = [("all_reduce", 2, 4096), ("all_reduce", 4, 1 << 20), ("all_gather", 2, 1 << 16), ("reduce_scatter", 8, 1 << 22)]
+    rows = [(op, n, b, collective_cost(op, n, b, link)) for op, n, b in ops]
+    # a repeat measured 10 % slower and 10 % faster: the mean is the model's
+    rows += [(op, n, b, t * f) for (op, n, b, t), f in zip(rows[:2], (1.1, 0.9))] + [(op, n, b, t * f) for (op, n, b, t), f in zip(rows[:2], (0.9, 1.1))]
+    rows += [("send", 2, 1 << 20, 99.0), ("recv", 2, 1 << 20, 99.0), ("barrier", 2, 0, 99.0)]
+    fitted = fit_link(rows)
+    assert fitted.alpha_s == pytest.approx(A, rel=1e-9)
+    assert fitted.bandwidth_bytes_per_s == pytest.approx(BW, rel=1e-9)
+    with pytest.raises(Exception, match="needs >= 2 distinct collectives"):
+        fit_link([("all_reduce", 2, 8, 1e-4), ("send", 2, 8, 1e-4)])
 
 
 # ---------------------------------------------------------------------- slicing

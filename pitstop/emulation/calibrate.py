@@ -22,8 +22,9 @@ import platform
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
+from pitstop.emulation.topology import LinkClass
 from pitstop.errors import EmulationError
 
 DEFAULT_SIZES: Tuple[int, ...] = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
@@ -60,6 +61,51 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], relative: boo
     if beta <= 0:
         raise EmulationError(f"fitted beta({beta}) <= 0: times do not grow with size ({dict(zip(sizes, times))})")
     return max(alpha, 0.0), beta
+
+
+def fit_link(measured: Iterable[Sequence[Any]], name: str = "intra_node") -> LinkClass:
+    """A link class from the collectives a fully real traced run measured.
+
+    ``measured`` holds ``(op, group size, bytes, seconds)`` rows (the tracer's). Each
+    collective's modelled cost is linear in alpha and beta, ``cost = a * alpha + b *
+    beta`` (``a``, ``b`` from the cost model itself, so the fit and the replay agree on
+    the algorithm). Per distinct ``(op, size, bytes)`` the *mean* time is kept: the
+    replayed iteration adds these costs up, and a sum of operations is n times their
+    mean, wait for a slightly late peer and the shared host's contention included
+    (the fastest time, as the ping-pong calibration takes, made the replay 30 % short
+    of a loaded real run). Then ``alpha`` and ``beta`` are fitted by least squares on
+    relative error. Point-to-point rows are left out: a send is posted asynchronously
+    and a recv's time is mostly the sender's compute.
+    """
+    from pitstop.emulation.topology import COLLECTIVES, collective_cost
+
+    seen: Dict[Tuple[str, int, int], List[float]] = {}
+    for op, n, nbytes, secs in measured:
+        if op not in COLLECTIVES or op == "barrier" or n < 2 or secs <= 0:
+            continue
+        seen.setdefault((op, int(n), int(nbytes)), []).append(float(secs))
+    best = {k: sum(v) / len(v) for k, v in seen.items()}
+    if len(best) < 2:
+        raise EmulationError(f"fitting a link needs >= 2 distinct collectives measured among real members, got {len(best)}")
+    unit_a = LinkClass("a", 1.0, 1e300)
+    unit_b = LinkClass("b", 0.0, 1.0)
+    rows = [(collective_cost(op, n, b, unit_a), collective_cost(op, n, b, unit_b), t) for (op, n, b), t in best.items()]
+    # minimise sum ((a*alpha + b*beta - t) / t)^2: 2x2 normal equations
+    saa = sum((a / t) ** 2 for a, b, t in rows)
+    sbb = sum((b / t) ** 2 for a, b, t in rows)
+    sab = sum(a * b / t / t for a, b, t in rows)
+    sat = sum(a / t for a, b, t in rows)
+    sbt = sum(b / t for a, b, t in rows)
+    det = saa * sbb - sab * sab
+    if det <= 0:
+        raise EmulationError(f"fitting a link: the {len(rows)} measured collectives do not separate latency from bandwidth")
+    alpha = (sat * sbb - sbt * sab) / det
+    beta = (saa * sbt - sab * sat) / det
+    if alpha < 0:  # all latency-free: refit bandwidth alone
+        alpha, beta = 0.0, sbt / sbb
+    if beta <= 0:  # sizes too small to see bandwidth: refit latency alone
+        alpha, beta = sat / saa, 1e-15
+    return LinkClass(name, alpha, 1.0 / beta)
 
 
 def _worker(rank: int, port: int, sizes: Sequence[int], repeats: int, warmup: int) -> None:

@@ -171,6 +171,7 @@ def boundary(iter_s: float) -> None:
     out = Path(a.cfg.out)
     if a.cfg.phase == "trace":
         _write(out / "traces" / f"r{a.rank}.json", a.oracle.trace(source=f"pitstop emulate, rank {a.rank}").to_json())
+        _write(out / "traces" / f"r{a.rank}.measured.json", {"iterations": a.oracle.measured[1:]})
     from pitstop.emulation import memory
 
     metrics = {"rank": a.rank, "phase": a.cfg.phase, "iter_s": [round(x, 6) for x in a.iter_s],

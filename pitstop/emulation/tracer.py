@@ -71,6 +71,11 @@ class TracingOracle:
         self._ops: List[Op] = []
         self._last = time.perf_counter()
         self.active = True
+        self.measured: List[List[Tuple[str, int, int, float]]] = []
+        """Per iteration: (op, group size, bytes, seconds from issue to return) of each
+        collective; with every member real these are the machine's own costs, which
+        :func:`pitstop.emulation.calibrate.fit_link` turns into a link class."""
+        self._measured: List[Tuple[str, int, int, float]] = []
 
     def serve(self, group, what: str, args: tuple) -> None:
         t_issue = time.perf_counter()
@@ -85,15 +90,18 @@ class TracingOracle:
             raise EmulationError(f"{what} on {group.kind} group (size {group.size()}): no execution-graph op for it")
         self._ops.append(Compute(max(0.0, t_issue - self._last)))
         peer = peer_offset(group, what, args) if op in ("send", "recv") else 0
-        self._ops.append(Comm(op, "pp" if op in ("send", "recv") else group.kind, nbytes_of(what, args), peer))
+        nbytes = nbytes_of(what, args)
+        self._ops.append(Comm(op, "pp" if op in ("send", "recv") else group.kind, nbytes, peer))
         self._last = time.perf_counter()
+        self._measured.append((op, group.size(), nbytes, self._last - t_issue))
 
     def boundary(self) -> None:
         """End of an iteration: close its last compute segment."""
         now = time.perf_counter()
         self._ops.append(Compute(max(0.0, now - self._last)))
         self.iterations.append(tuple(self._ops))
-        self._ops = []
+        self.measured.append(self._measured)
+        self._ops, self._measured = [], []
         self._last = now
 
     def trace(self, skip: int = 1, source: str = "") -> Trace:

@@ -1,20 +1,21 @@
 """``pitstop bench emulation``: how faithful is emulation, and what does it cost at scale?
 
 **Fidelity** (one row per layout: TP2, PP2, DP2 at world 2, CPU). The ground truth
-is a real run of ``examples/train_gpt.py``: two gloo processes, each pinned to its
-own core with one thread. The emulation is ``pitstop emulate --world-size 2
---real-ranks 0`` whose trace phase is that same real world (both ranks traced), so
-rank 1 is virtual in the paced and memory phases::
+is a real run of ``examples/train_gpt.py``: two processes, each pinned to its own
+core with one thread, exchanging real data over gloo. The emulation is ``pitstop
+emulate --world-size 2 --real-ranks 0 --trace-all --fit-network``: its trace phase
+*is* that real run (both ranks real and traced; a group whose members are all real
+talks over a real gloo communicator), and the network model's link is fitted to the
+collectives that run measured. Rank 1 is virtual in the paced and memory phases::
 
-    ground truth   r0 (core 0) <-- gloo --> r1 (core 1)          real_iter_s, real_peak_bytes
-    trace          r0 (core 0) <-- gloo --> r1 (core 1), traced   -> graph -> replay
+    real (trace)   r0 (core 0) <-- gloo --> r1 (core 1), traced   real_iter_s -> graph, fitted link -> replay
     paced          r0 (core 0), r1 virtual (replayed)             emulated_iter_s
-    memory         r0, r1 virtual, every allocation counted       emulated_peak_bytes
+    plain          r0 <-- gloo --> r1, pitstop groups, no tracer  plain_real_iter_s (the tracer's cost)
+    memory         real: r0 + r1 --track-memory;  emulated: r0, r1 virtual    *_peak_bytes
 
 Iteration time is rank 0's median loop-body time after the first step (which pays
-lazy set-up) in both runs. Peak bytes come from the tensor tracker in a run of its
-own on each side (``--track-memory`` for the real one), so counting never slows a
-timed run.
+lazy set-up). Peak bytes come from the tensor tracker in runs of their own, so
+counting never slows a timed run.
 
 **Scale**: world 8192, TP8 PP8 DP128, one real rank (0). ``setup_s`` is the
 virtualised initialisation (joining the world of 8192 and pitstop's
@@ -74,11 +75,14 @@ def fidelity_row(run_dir: Path, config: str, steps: int, timeout: float) -> Dict
     c = CONFIGS[config]
     argv = [SCRIPT, *c["args"], "--steps", str(steps), "--pin-core"]
     d = run_dir / config
-    real = _real(d / "real", "real", argv, timeout)
+    plain = _real(d / "real", "real", argv, timeout)
     real_mem = _real(d / "real-memory", "real-memory", argv + ["--track-memory"], timeout)
-    spec = EmulateSpec(2, c["tp"], c["pp"], [0], argv, d / "emulate", trace_ranks=[0, 1], timeout_s=timeout)
-    rep = emulate(spec)["ranks"][0]
-    real_s = _median_after_first(real[0]["iter_s"])
+    spec = EmulateSpec(2, c["tp"], c["pp"], [0], argv, d / "emulate", trace_ranks=[0, 1], timeout_s=timeout,
+                       fit_network=True)
+    report = emulate(spec)
+    rep = report["ranks"][0]
+    real_s = _median_after_first(json.loads((d / "emulate" / "metrics" / "trace-r0.json").read_text())["iter_s"])
+    plain_s = _median_after_first(plain[0]["iter_s"])
     err = 100 * (rep["iter_s"] - real_s) / real_s
     return {
         "config": config,
@@ -87,6 +91,9 @@ def fidelity_row(run_dir: Path, config: str, steps: int, timeout: float) -> Dict
         "replayed_iter_s": rep["replayed_iter_s"],
         "error_pct": round(abs(err), 3),
         "signed_error_pct": round(err, 3),
+        "plain_real_iter_s": round(plain_s, 6),
+        "plain_vs_traced_pct": round(100 * (plain_s - real_s) / real_s, 3),
+        "fitted_link": report["intra_node_link"],
         "real_peak_bytes": real_mem[0]["peak_tensor_bytes"],
         "emulated_peak_bytes": rep["peak_tensor_bytes"],
         "peak_equal": real_mem[0]["peak_tensor_bytes"] == rep["peak_tensor_bytes"],

@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="a topology JSON/TOML file, or a shipped name: cpu-gloo-loopback (default), h200-nvlink-ib")
     em.add_argument("--out", default="runs/emulate", help="report.json, trace.json, logs (default runs/emulate)")
     em.add_argument("--timeout", type=float, default=900.0, metavar="S", help="per phase")
+    em.add_argument("--trace-all", action="store_true",
+                    help="trace every rank for real (a small world only): the trace is of a real run")
+    em.add_argument("--fit-network", action="store_true",
+                    help="with --trace-all: fit the link's alpha and bandwidth to the collectives the trace measured")
     em.add_argument("--no-memory", action="store_true",
                     help="skip the memory phase (the real ranks' peak tensor bytes; one more run of the script)")
     em.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS... (give the script the same --tp/--pp)")
@@ -177,7 +181,8 @@ def _emulate(args) -> int:
 
     ParallelLayout(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)  # names every factor
     spec = EmulateSpec(args.world_size, args.tp, args.pp, parse_ranks(args.real_ranks, args.world_size), script,
-                       Path(args.out), args.topology, args.cp, args.ep, args.timeout, memory=not args.no_memory)
+                       Path(args.out), args.topology, args.cp, args.ep, args.timeout, memory=not args.no_memory,
+                       trace_ranks=list(range(args.world_size)) if args.trace_all else None, fit_network=args.fit_network)
     report = emulate(spec)
     print(table(report))
     print(f"report: {spec.out / 'report.json'}   trace: {spec.out / 'trace.json'} (ui.perfetto.dev)")

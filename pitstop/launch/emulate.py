@@ -55,6 +55,9 @@ class EmulateSpec:
     traces a fully real small world: every rank, so the trace is of a real run."""
     memory: bool = True
     """Run the memory phase (peak tensor bytes per real rank)."""
+    fit_network: bool = False
+    """Fit the topology's link to the collectives the trace phase measured (needs a fully
+    real trace phase: every rank traced, so every measured collective is real)."""
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
@@ -88,6 +91,9 @@ def validate(spec: EmulateSpec):
         if missing:
             raise ConfigError(f"trace ranks {spec.trace_ranks} leave out the tracer rank(s) {missing} "
                               "(one per pipeline stage)")
+    if spec.fit_network and sorted(spec.trace_ranks or []) != list(range(spec.world_size)):
+        raise ConfigError(f"fitting the network to the trace needs every one of the {spec.world_size} ranks "
+                          f"traced for real (trace ranks: {spec.trace_ranks})")
     topology = topo.load(spec.topology)
     if not spec.argv:
         raise ConfigError("pitstop emulate: no script given (-- SCRIPT ARGS...)")
@@ -152,6 +158,8 @@ def emulate(spec: EmulateSpec) -> Dict[str, Any]:
         phases["trace_s"] = _run_phase(job, "trace", spec, spec.trace_ranks or traced, "trace")
         traces = [Trace.from_json(json.loads((out / "traces" / f"r{r}.json").read_text())) for r in traced]
         t_graph = time.perf_counter()
+        if spec.fit_network:
+            topology = _fitted(topology, spec)
         graph = slice_graph(layout, traces)
         result = replay(graph, topology)
         replay_s = time.perf_counter() - t_graph
@@ -172,6 +180,21 @@ def emulate(spec: EmulateSpec) -> Dict[str, Any]:
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "trace.json").write_text(json.dumps(to_chrome_trace(result, sorted(set(spec.real_ranks) | set(result.partition.reps)))))
     return report
+
+
+def _fitted(topology, spec: EmulateSpec):
+    """The topology with both link classes fitted to the trace phase's measured collectives."""
+    from pitstop.emulation.calibrate import fit_link
+    from pitstop.emulation.topology import LinkClass, Topology
+
+    rows = [row for r in spec.trace_ranks or [] for it in
+            json.loads((spec.out / "traces" / f"r{r}.measured.json").read_text())["iterations"] for row in it]
+    link = fit_link(rows)
+    fitted = Topology(topology.gpus_per_node, link, LinkClass("inter_node", link.alpha_s, link.bandwidth_bytes_per_s),
+                      name=f"{topology.name}+fitted", doc=f"{topology.name} with its links fitted to {len(rows)} "
+                      f"collectives measured in the trace phase", calibrated=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    (spec.out / "topology-fitted.json").write_text(json.dumps(fitted.to_dict(), indent=1))
+    return fitted
 
 
 def _report(spec, layout, topology, result, traced, replay_s, wall_s) -> Dict[str, Any]:
@@ -202,6 +225,8 @@ def _report(spec, layout, topology, result, traced, replay_s, wall_s) -> Dict[st
         "real_ranks": spec.real_ranks,
         "tracer_ranks": traced,
         "topology": topology.name,
+        "intra_node_link": {"alpha_s": topology.intra_node.alpha_s,
+                            "bandwidth_bytes_per_s": topology.intra_node.bandwidth_bytes_per_s},
         "classes": len(result.graph.programs),
         "distinct_timelines": len(result.partition.reps),
         "replay_s": round(replay_s, 4),
