@@ -31,17 +31,19 @@ def _parser() -> argparse.ArgumentParser:
     la = sub.add_parser("launch", help="run a training script with a controller, standbys and heartbeats")
     la.add_argument("--nproc-per-node", type=int, required=True, help="workers on this machine")
     la.add_argument("--nnodes", type=int, default=1, help="machines (one agent each); 1 is what runs today")
-    la.add_argument("--standby", type=int, default=0, help="warm standby processes (default 0)")
+    la.add_argument("--standby", type=int, default=None, help="warm standby processes (default 0, or the "
+                    "DeepSpeed config's pitstop.standby)")
     la.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                     help="where the control store listens (default 127.0.0.1 and a free port)")
     la.add_argument("--run-dir", default="runs/latest", help="logs, events.jsonl, roster.json (default runs/latest)")
-    la.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="S")
-    la.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S")
-    la.add_argument("--collective-timeout", type=float, default=120.0, metavar="S")
-    la.add_argument("--no-buddy", action="store_true", help="no CPU buddy copy of optimizer shards")
-    la.add_argument("--no-warmup", action="store_true",
+    la.add_argument("--heartbeat-interval", type=float, default=None, metavar="S", help="default 0.5")
+    la.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S", help="default 5.0")
+    la.add_argument("--collective-timeout", type=float, default=None, metavar="S", help="default 120.0")
+    la.add_argument("--no-buddy", action="store_const", const=True, default=None,
+                    help="no CPU buddy copy of optimizer shards")
+    la.add_argument("--no-warmup", action="store_const", const=True, default=None,
                     help="no record of iteration 1 and no sandboxed warmup: standbys join cold")
-    la.add_argument("--hold-for-warm", type=float, default=0.0, metavar="S",
+    la.add_argument("--hold-for-warm", type=float, default=None, metavar="S",
                     help="after step 1, hold training up to S seconds until every standby is warm (default 0: don't)")
     la.add_argument("--save-interval", type=int, default=0, metavar="K",
                     help="dist_checkpointing save every K steps: the fallback when no standby is left (0: off)")
@@ -198,19 +200,50 @@ def _launch(args) -> int:
     script = list(args.script)
     if script and script[0] == "--":
         script = script[1:]
+    given = {k: getattr(args, k) for k in _LAUNCH_DEFAULTS if getattr(args, k) is not None}
+    section = _deepspeed_section(script[1:])
+    if section is not None:  # the DeepSpeed config's "pitstop" section; explicit flags win
+        given = {**_section_flags(section), **given}
+    v = {**_LAUNCH_DEFAULTS, **given}
     cfg = RuntimeConfig(
-        heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
-        collective_timeout_s=args.collective_timeout, buddy=not args.no_buddy, warmup=not args.no_warmup, hold_for_warm_s=args.hold_for_warm, save_interval=args.save_interval,
+        heartbeat_interval_s=v["heartbeat_interval"], heartbeat_timeout_s=v["heartbeat_timeout"],
+        collective_timeout_s=v["collective_timeout"], buddy=not v["no_buddy"], warmup=not v["no_warmup"],
+        hold_for_warm_s=v["hold_for_warm"], save_interval=args.save_interval,
     )
     import os
 
     env = {k: v for k, v in os.environ.items() if k == "PITSTOP_FAULT"}
-    spec = LaunchSpec(script, args.nproc_per_node, args.standby, args.nnodes, args.rdzv_endpoint,
+    spec = LaunchSpec(script, args.nproc_per_node, v["standby"], args.nnodes, args.rdzv_endpoint,
                       Path(args.run_dir), cfg, env)
     if not Path(script[0]).exists():
         raise PitstopError(f"training script {script[0]!r} does not exist")
     _check_layout(script[1:], spec.world_size)
     return Controller(spec).run()
+
+
+#: `pitstop launch` settings a DeepSpeed config's "pitstop" section may also give (flag dest -> default).
+_LAUNCH_DEFAULTS = {"standby": 0, "heartbeat_interval": 0.5, "heartbeat_timeout": 5.0, "collective_timeout": 120.0,
+                    "no_buddy": False, "no_warmup": False, "hold_for_warm": 0.0}
+#: Where a training script takes its DeepSpeed config (DeepSpeed's own flag, and examples/train_deepspeed.py's).
+_DS_CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config", "--deepscale_config")
+
+
+def _deepspeed_section(script_args: List[str]):
+    """The validated "pitstop" section of the DeepSpeed config named in the script's arguments, or None."""
+    for i, a in enumerate(script_args):
+        name, _, value = a.partition("=")
+        if name in _DS_CONFIG_FLAGS:
+            value = value or (script_args[i + 1] if i + 1 < len(script_args) else "")
+            from pitstop.integrations.deepspeed_config import strip_section
+
+            return strip_section(value)[1]  # ConfigError names the key, before anything starts
+    return None
+
+
+def _section_flags(section) -> dict:
+    return {"standby": section.standby, "heartbeat_interval": section.heartbeat_interval,
+            "heartbeat_timeout": section.heartbeat_timeout, "collective_timeout": section.collective_timeout,
+            "no_buddy": not section.buddy, "no_warmup": not section.warmup, "hold_for_warm": section.hold_for_warm}
 
 
 #: Parallel-degree flags of Megatron-LM and of examples/train_gpt.py, by layout field.

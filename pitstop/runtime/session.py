@@ -36,30 +36,28 @@ from pitstop.errors import PitstopError, RecoveryError
 from pitstop.plan import plan_replace
 from pitstop.emulation import memory
 from pitstop.runtime import keys, sandbox, state
+from pitstop.runtime.framework import MEGATRON, Framework, first_trainable, wrap
 from pitstop.runtime.faults import Fault
 from pitstop.runtime.swap import swap_groups
 from pitstop.runtime.worker import Membership, require_current
 
 log = logging.getLogger("pitstop.session")
 
-#: The kind whose group shares one distributed-optimizer shard set (buddy ring, state hand-off).
-SHARD_KIND = "dp-cp"
 
 
 class Session:
     """pitstop's hook into one training process (see the module docstring)."""
 
     def __init__(self, model: Sequence[Any], optimizer, make_data: Callable[[int], Iterator], *,
-                 checkpoint_dir: Optional[str] = None) -> None:
-        from pitstop.integrations import megatron as integ
-
+                 checkpoint_dir: Optional[str] = None, framework: Optional[Framework] = None) -> None:
         self.m: Membership = require_current()
+        self.fw: Framework = framework or MEGATRON
         self.model = list(model)
         self.optimizer = optimizer
         self.make_data = make_data
-        self.registry = integ.registry()
+        self.registry = self.fw.registry()
         if self.registry is None:
-            raise PitstopError("pitstop's groups are not installed: use pitstop.integrations.megatron.initialize_model_parallel")
+            raise PitstopError(f"pitstop's groups are not installed: build them through pitstop.integrations.{self.fw.name}")
         self.layout = self.registry.layout
         self.rank = self.m.role
         self.gen = self.registry.generation
@@ -108,7 +106,7 @@ class Session:
         return self.m.store
 
     def _shard_group(self):
-        e = self.registry.entry(SHARD_KIND)
+        e = self.registry.entry(self.fw.shard_kind)
         return e.ranks, (e.gloo or e.group)
 
     @staticmethod
@@ -213,7 +211,7 @@ class Session:
     def _take_and_exchange(self, step: int):
         """Pack this rank's state (rollback point) and swap it with the buddy ring."""
         seq = pgmod.world_group().seq
-        snap = state.take(self.optimizer, step, seq, out=self._spare[0])
+        snap = state.take(self.optimizer, step, seq, out=self._spare[0], extra=self.fw.extra_state(self.model, self.optimizer))
         ranks, group = self._shard_group()
         if not self.cfg.buddy or len(ranks) == 1:
             return snap, None
@@ -300,9 +298,7 @@ class Session:
         return json.loads(self.store.get(fk))
 
     def _advance(self, pending) -> Any:
-        """Swap in the next generation's groups everywhere: registry, framework objects, parallel_state."""
-        from pitstop.integrations import megatron as integ
-
+        """Swap in the next generation's groups everywhere: registry, framework objects, library globals."""
         old = {k: self.registry.entry(k) for k in pending.entries}
         report = self.registry.commit(pending)
         mapping: Dict[int, dist.ProcessGroup] = {}
@@ -313,8 +309,8 @@ class Session:
             mapping[id(o.group)] = e.group
             if o.gloo is not None and e.gloo is not None:
                 mapping[id(o.gloo)] = e.gloo
-        swapped = swap_groups([self.model, self.optimizer], mapping)
-        integ.install(self.registry)
+        swapped = swap_groups(self.fw.swap_roots(self.model, self.optimizer), mapping)
+        self.fw.install(self.registry)
         self.gen = self.registry.generation
         self._new_gen = True
         return report, swapped
@@ -330,7 +326,7 @@ class Session:
         t0 = time.perf_counter()
         self._aborted_gen = self.gen
         with self._lock:
-            state.restore(self.optimizer, self.snap)
+            self._restore(self.snap)
             t_roll = time.perf_counter()
             report, swapped = self._advance(self.registry.prepare(role))
             if self.gen != new_gen:
@@ -349,7 +345,7 @@ class Session:
             if self.rank == prv and self.cfg.buddy:
                 state.send_snapshot(self.snap, role, group)
         t_state = time.perf_counter()
-        state.resync_params(self.model, self.optimizer)
+        self.fw.resync_params(self.model, self.optimizer)
         self.data = self.make_data(step)
         self.fence.reset()
         t_end = time.perf_counter()
@@ -395,7 +391,7 @@ class Session:
             state.pg_send(pair, torch.tensor([1 if self.buddy is not None else 0]), 1)
             if self.buddy is not None:
                 state.send_snapshot_raw(pair, self.buddy, 1)
-            for buf in state.param_buffers(self.model):
+            for buf in self.fw.param_buffers(self.model, self.optimizer):
                 state.pg_send(pair, buf, 1)
             self._report(self.gen + 1, "leaver", send_s=time.perf_counter() - t0, ready=time.time())
             self._info("drained: state handed to the joiner; leaving")
@@ -449,11 +445,11 @@ class Session:
         nxt, prv = self._ring(ranks, role)
         snap = state.recv_snapshot(nxt, group)
         self.buddy = state.recv_snapshot(prv, group) if self.cfg.buddy else None
-        state.restore(self.optimizer, snap)
+        self._restore(snap)
         self.snap = snap
         pgmod.world_group().attach(snap.world_seq)
         t_state = time.perf_counter()
-        state.resync_params(self.model, self.optimizer)
+        self.fw.resync_params(self.model, self.optimizer)
         self.first_step = step
         self.step = step
         self.data = self.make_data(step)
@@ -478,9 +474,9 @@ class Session:
         has_buddy = torch.zeros(1, dtype=torch.int64)
         state.pg_recv(pair, has_buddy, 0)
         self.buddy = state.recv_snapshot_raw(pair, 0) if int(has_buddy) else None
-        for buf in state.param_buffers(self.model):
+        for buf in self.fw.param_buffers(self.model, self.optimizer):
             state.pg_recv(pair, buf, 0)
-        state.restore(self.optimizer, snap)
+        self._restore(snap)
         self.snap = snap
         pgmod.world_group().attach(snap.world_seq)
         self.first_step = int(step_s) + 1
@@ -491,9 +487,15 @@ class Session:
                      ready=now, pause_s=now - float(t_switch))
         self._info("took over role %d after step %s (pause %.3fs)", self.rank, step_s, now - float(t_switch))
 
+    def _restore(self, snap: state.Snapshot) -> None:
+        """Write a snapshot into this rank (rollback, or a joiner taking its role)."""
+        self.fw.prepare_rollback(self.model, self.optimizer)
+        extra = state.restore(self.optimizer, snap)
+        self.fw.set_extra_state(self.model, self.optimizer, extra)
+
     # ------------------------------------------------------------------ fault injection
     def _arm_faults(self) -> None:
-        chunk = self.model[0]
+        module, points = self.fw.fault_points(self.model, self.optimizer)
 
         def fire(phase: str) -> None:
             for f in self.faults:
@@ -502,22 +504,12 @@ class Session:
                     self._info("fault injector: signal %s in phase %s", f.sig, phase)
                     f.fire()
 
-        chunk.register_forward_pre_hook(lambda *_: fire("forward"))
-        p = next(q for q in chunk.module.parameters() if q.requires_grad)
+        module.register_forward_pre_hook(lambda *_: fire("forward"))
+        p = first_trainable(module)
         p.register_hook(lambda g: (fire("backward"), g)[1])
-        _wrap(chunk, "finish_grad_sync", lambda: fire("grad-reduce"))
-        _wrap(chunk, "start_param_sync", lambda: fire("param-gather"))
-        _wrap(self.optimizer, "step", lambda: fire("optimizer"))
-
-
-def _wrap(obj: Any, name: str, before: Callable[[], None]) -> None:
-    orig = getattr(obj, name)
-
-    def wrapped(*a, **k):
-        before()
-        return orig(*a, **k)
-
-    setattr(obj, name, wrapped)
+        for phase, targets in points.items():
+            for obj, name in targets:
+                wrap(obj, name, lambda phase=phase: fire(phase))
 
 
 def _client() -> dist.TCPStore:

@@ -49,28 +49,38 @@ def _shard_items(optimizer) -> List[Tuple[str, torch.Tensor, Any, Optional[str]]
     return out
 
 
-def rng_state() -> Dict[str, Any]:
-    """Every RNG stream a Megatron step may draw from."""
+def _megatron_tracker():
+    """Megatron's model-parallel RNG tracker, when the program uses Megatron (else None)."""
+    import sys
+
+    if "megatron.core" not in sys.modules:
+        return None
     from megatron.core import tensor_parallel
 
+    return tensor_parallel.get_cuda_rng_tracker()
+
+
+def rng_state() -> Dict[str, Any]:
+    """Every RNG stream a training step may draw from (Megatron's tracker included when in use)."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
+    tracker = _megatron_tracker()
+    if tracker is not None:
+        state["tracker"] = tracker.get_states()
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "tracker" in state:
+        _megatron_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -104,8 +114,12 @@ class Snapshot:
         return cls(step, layout, data, rng, seq)
 
 
-def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] = None) -> Snapshot:
-    """Pack this rank's shard and RNG streams (into ``out`` when its size fits, to avoid allocating)."""
+def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] = None,
+         extra: Optional[Dict[str, Any]] = None) -> Snapshot:
+    """Pack this rank's shard and RNG streams (into ``out`` when its size fits, to avoid allocating).
+
+    ``extra``: small picklable state of the training library (e.g. DeepSpeed's step
+    counters), carried with the RNG streams; :func:`restore` returns it."""
     items = _shard_items(optimizer)
     layout = [(n, tuple(t.shape), str(t.dtype).replace("torch.", ""), key) for n, t, _, key in items]
     flats = [t.detach().reshape(-1).view(torch.uint8) for _, t, _, _ in items]
@@ -114,11 +128,14 @@ def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] =
         out = torch.empty(total, dtype=torch.uint8)
     if flats:
         torch.cat([f.cpu() for f in flats], out=out)
-    return Snapshot(step, layout, out, pickle.dumps(rng_state()), world_seq)
+    rng = rng_state()
+    if extra:
+        rng["extra"] = extra
+    return Snapshot(step, layout, out, pickle.dumps(rng), world_seq)
 
 
-def restore(optimizer, snap: Snapshot) -> None:
-    """Write ``snap`` into this rank's shard and RNG streams.
+def restore(optimizer, snap: Snapshot) -> Dict[str, Any]:
+    """Write ``snap`` into this rank's shard and RNG streams; returns its ``extra`` state.
 
     A joiner's optimizer has not stepped yet, so its moments do not exist: they are
     created from the snapshot's layout. Refuses a snapshot of another shape.
@@ -150,7 +167,10 @@ def restore(optimizer, snap: Snapshot) -> None:
         owner_opt.state[p][key] = src.clone().to(param.device)
     if offset != snap.data.numel():
         raise RecoveryError(f"snapshot holds {snap.data.numel()} bytes but its layout describes {offset}")
-    set_rng_state(pickle.loads(snap.rng))
+    rng = pickle.loads(snap.rng)
+    extra = rng.pop("extra", {})
+    set_rng_state(rng)
+    return extra
 
 
 def _param_of(inner, base: str) -> torch.Tensor:
