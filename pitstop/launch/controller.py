@@ -506,7 +506,9 @@ class Controller:
         ready = max([v.get("ready", 0) for v in timings.values()] or [t_commit or 0.0])
         after = (lambda t0: None if t_commit is None else round(t_commit - t0, 4))
         ev: Dict[str, Any] = {"role": ch.get("role"), "generation": g, "step": ch["step"],
-                              "old": ch.get("old"), "new": ch.get("new")}
+                              "old": ch.get("old"), "new": ch.get("new"),
+                              "swapped": sum(v.get("swapped", 0) for v in stayers),
+                              "stale_refs": sum(v.get("stale", 0) for v in stayers)}
         if iters:  # the joiner's first iteration against the stayers' steady one (same step, same job)
             steady = sorted(v["steady_iter_s"] for r, v in iters.items() if r != ch.get("role") and v.get("steady_iter_s"))
             first = iters.get(ch.get("role"), {}).get("first_iter_s")

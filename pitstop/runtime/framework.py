@@ -135,11 +135,9 @@ class DeepSpeedFramework(Framework):
 
     def fault_points(self, model: Sequence[Any], optimizer) -> Tuple[torch.nn.Module, FaultPoints]:
         e = self._engine(model)
-        points: FaultPoints = {"optimizer": [(optimizer, "step")]}
-        if hasattr(optimizer, "reduce_gradients"):
-            points["grad-reduce"] = [(optimizer, "reduce_gradients")]
-        else:
-            points["grad-reduce"] = [(e, "allreduce_gradients")]
+        # the engine's reduction entry point, every stage (ZeRO-2 reduces buckets during the
+        # backward pass too; this is where it flushes the last one)
+        points: FaultPoints = {"optimizer": [(optimizer, "step")], "grad-reduce": [(e, "allreduce_gradients")]}
         if hasattr(optimizer, "update_lp_params"):
             from deepspeed.runtime.zero import stage_1_and_2
 

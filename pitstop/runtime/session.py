@@ -38,7 +38,7 @@ from pitstop.emulation import memory
 from pitstop.runtime import keys, sandbox, state
 from pitstop.runtime.framework import MEGATRON, Framework, first_trainable, wrap
 from pitstop.runtime.faults import Fault
-from pitstop.runtime.swap import swap_groups
+from pitstop.runtime.swap import find_groups, swap_groups
 from pitstop.runtime.worker import Membership, require_current
 
 log = logging.getLogger("pitstop.session")
@@ -78,6 +78,8 @@ class Session:
         """Seconds spent in :meth:`commit` on committed steps (the steady-state overhead)."""
         self.buddy_s = 0.0
         self.steps_committed = 0
+        self.stale_refs: List[Any] = []
+        """References to retired groups found after the last swap (should be none)."""
         self.iter_s: List[float] = []
         """This rank's committed iterations, in seconds (loop body, without the boundary)."""
         self._t_step = 0.0
@@ -309,8 +311,14 @@ class Session:
             mapping[id(o.group)] = e.group
             if o.gloo is not None and e.gloo is not None:
                 mapping[id(o.gloo)] = e.gloo
-        swapped = swap_groups(self.fw.swap_roots(self.model, self.optimizer), mapping)
+        roots = self.fw.swap_roots(self.model, self.optimizer)
+        swapped = swap_groups(roots, mapping)
         self.fw.install(self.registry)
+        # prove it: no reference to a retired group is left where the library looks
+        self.stale_refs = find_groups(roots, {k: None for k in mapping})
+        if self.stale_refs:
+            log.warning("%s %d reference(s) to retired groups survived the swap: %s", self.prefix(),
+                        len(self.stale_refs), self.stale_refs[:5])
         self.gen = self.registry.generation
         self._new_gen = True
         return report, swapped
@@ -351,7 +359,7 @@ class Session:
         t_end = time.perf_counter()
         self._report(self.gen, f"r{self.rank}", seen=t_seen, rollback_s=t_roll - t0, groups_s=t_groups - t_roll,
                      state_s=t_end - t_groups, transfer_s=t_state - t_groups, ready=time.time(),
-                     rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped)
+                     rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped, stale=len(self.stale_refs))
         self._info("recovered: role %d now played by a joiner; %d groups rebuilt, %d kept, %d references swapped",
                    role, len(report.rebuilt), len(report.kept), swapped)
 
@@ -407,7 +415,7 @@ class Session:
             report, swapped = self._advance(pending)
         self._drain = None
         self._report(self.gen, f"r{self.rank}", switch_s=time.perf_counter() - t0, ready=time.time(),
-                     rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped)
+                     rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped, stale=len(self.stale_refs))
 
     # ------------------------------------------------------------------ start
     def _start(self) -> None:
