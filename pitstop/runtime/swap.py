@@ -7,6 +7,8 @@ or the next step talks over a retired communicator. :func:`swap_groups` walks th
 object graph from the given roots and replaces every reference it finds, in
 attributes, lists, dicts and (rebuilt) tuples; :func:`find_groups` is the same
 walk, reporting instead of replacing, so a test can prove nothing old is left.
+Tensors are walked too, for their Python attributes only (DeepSpeed keeps a group on
+every parameter).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 _SKIP = (
-    torch.Tensor, str, bytes, int, float, bool, type(None), type, types.ModuleType,
+    str, bytes, int, float, bool, type(None), type, types.ModuleType,
     types.FunctionType, types.BuiltinFunctionType, logging.Logger, logging.Manager,
     type(threading.Lock()), threading.Thread,
 )
@@ -53,7 +55,9 @@ def _walk(roots: Iterable[Any], visit) -> None:
             continue
         if callable(obj) and not hasattr(obj, "__dict__"):
             continue
-        d = getattr(obj, "__dict__", None)
+        # a tensor is walked for its Python attributes only: DeepSpeed hangs groups on
+        # parameters (``_dp_group`` in ZeRO-1/2, ``ds_process_group`` in ZeRO-3)
+        d = obj.__dict__ if isinstance(obj, torch.Tensor) else getattr(obj, "__dict__", None)
         if d is None:
             continue
         for k, v in list(d.items()):

@@ -1,0 +1,328 @@
+"""The ``"pitstop"`` section of a DeepSpeed JSON config: parse, validate, take out.
+
+A DeepSpeed job configures pitstop where it configures everything else, in its JSON::
+
+    {
+      "train_micro_batch_size_per_gpu": 4,
+      "zero_optimization": {"stage": 2},
+      "pitstop": {"standby": 1, "heartbeat_timeout": 5.0, "buddy": true}
+    }
+
+:func:`parse_section` validates the section into a frozen :class:`PitstopSection`;
+:func:`strip_section` returns the config without it (for ``deepspeed.initialize``) and the
+section. Keys are snake_case like DeepSpeed's own; times are seconds. Every error is a
+:class:`pitstop.errors.ConfigError` naming the key path (``pitstop.heartbeat_timeout``), the
+value and what was expected. Unknown keys are refused by name with the list of known keys,
+and a bool is never taken for a number.
+
+The module is pure: it imports neither ``torch.distributed`` nor DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import json
+import math
+import os
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+from pitstop.errors import ConfigError
+
+__all__ = ["SECTION", "EmulationSection", "PitstopSection", "parse_section", "load_config",
+           "strip_section", "keys_table"]
+
+SECTION = "pitstop"
+"""The top-level key of the section in a DeepSpeed config."""
+
+
+# ------------------------------------------------------------------------ the sections
+@dataclass(frozen=True)
+class EmulationSection:
+    """``pitstop.emulation``: run the job as ``world_size`` ranks of which only ``real_ranks`` are processes."""
+
+    world_size: int
+    """The target world size the job believes it runs at (>= 1)."""
+    real_ranks: Tuple[int, ...]
+    """The ranks that run for real, each in ``[0, world_size)``, no repeats."""
+    topology: str = "cpu-gloo-loopback"
+    """The network model of the replay: a shipped name (``cpu-gloo-loopback``, ``h200-nvlink-ib``)
+    or the path of a topology file."""
+
+
+@dataclass(frozen=True)
+class PitstopSection:
+    """The validated ``"pitstop"`` section of a DeepSpeed config (every key optional)."""
+
+    standby: int = 0
+    """Warm standby processes kept beside the workers (0: none; a failed worker then cannot be replaced
+    in place)."""
+    heartbeat_interval: float = 0.5
+    """Seconds between a worker's heartbeats to the controller."""
+    heartbeat_timeout: float = 5.0
+    """A worker silent this many seconds is hung: it is killed and replaced. Must exceed
+    ``heartbeat_interval``."""
+    collective_timeout: float = 120.0
+    """Timeout in seconds of pitstop's communicators, the last defence against a hang. Must exceed
+    ``heartbeat_timeout``."""
+    buddy: bool = True
+    """Keep a CPU copy of a data-parallel neighbour's ZeRO partition, so a replacement gets its
+    state from a peer."""
+    warmup: bool = True
+    """Record each role class's first iteration and warm standbys with a sandboxed step."""
+    hold_for_warm: float = 0.0
+    """After step 1, hold training up to this many seconds until every standby is warm (0: do not wait)."""
+    emulation: Optional[EmulationSection] = None
+    """Target-scale emulation settings; absent (None) for a normal run."""
+
+    def runtime_config(self, base: Optional[Any] = None):
+        """This section as the worker runtime's :class:`pitstop.runtime.config.RuntimeConfig`.
+
+        Settings the section does not carry (``save_interval``, ``save_dir``) come from ``base``
+        (default: ``RuntimeConfig()``). ``standby`` and ``emulation`` are the launcher's business
+        and have no runtime counterpart.
+        """
+        from dataclasses import replace
+
+        from pitstop.runtime.config import RuntimeConfig
+
+        return replace(
+            base if base is not None else RuntimeConfig(),
+            heartbeat_interval_s=float(self.heartbeat_interval),
+            heartbeat_timeout_s=float(self.heartbeat_timeout),
+            collective_timeout_s=float(self.collective_timeout),
+            buddy=self.buddy,
+            warmup=self.warmup,
+            hold_for_warm_s=float(self.hold_for_warm),
+        )
+
+
+# ---------------------------------------------------------------------------- checks
+def _fmt(v: Any) -> str:
+    return repr(v)
+
+
+def _number(path: str, v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{path}={_fmt(v)}: expected {what}, got {type(v).__name__}")
+    if not math.isfinite(v):
+        raise ConfigError(f"{path}={_fmt(v)}: expected {what}, got a non-finite number")
+    return float(v)
+
+
+def _seconds_above(path: str, v: Any, floor: float, floor_name: Optional[str]) -> float:
+    """A number of seconds > floor (> 0 when ``floor_name`` is None)."""
+    what = (f"a number of seconds > {floor_name} ({floor!r})" if floor_name
+            else "a number of seconds > 0")
+    x = _number(path, v, what)
+    if not x > floor:
+        raise ConfigError(f"{path}={_fmt(v)}: expected {what}")
+    return x
+
+
+def _int(path: str, v: Any, lo: int, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{path}={_fmt(v)}: expected {what}, got {type(v).__name__}")
+    if v < lo:
+        raise ConfigError(f"{path}={_fmt(v)}: expected {what}")
+    return v
+
+
+def _bool(path: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{path}={_fmt(v)}: expected true or false, got {type(v).__name__}")
+    return v
+
+
+def _unknown(path: str, values: Mapping[str, Any], known: List[str]) -> None:
+    bad = [k for k in values if k not in known]
+    if bad:
+        raise ConfigError(
+            f"{path}: unknown key(s) {', '.join(repr(k) for k in bad)}; known keys are {', '.join(known)}"
+        )
+
+
+def _mapping(path: str, v: Any) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{path}={_fmt(v)}: expected an object (a JSON dict), got {type(v).__name__}")
+    for k in v:
+        if not isinstance(k, str):
+            raise ConfigError(f"{path}: key {k!r} is not a string")
+    return v
+
+
+_SECTION_KEYS = [f.name for f in fields(PitstopSection)]
+_EMULATION_KEYS = [f.name for f in fields(EmulationSection)]
+
+
+def _parse_emulation(path: str, v: Any) -> EmulationSection:
+    values = _mapping(path, v)
+    _unknown(path, values, _EMULATION_KEYS)
+    for key in ("world_size", "real_ranks"):
+        if key not in values:
+            raise ConfigError(f"{path}: missing key {key!r} (required: world_size, real_ranks)")
+    n = _int(f"{path}.world_size", values["world_size"], 1, "an integer >= 1")
+    rp = f"{path}.real_ranks"
+    ranks = values["real_ranks"]
+    if not isinstance(ranks, (list, tuple)) or not ranks:
+        raise ConfigError(f"{rp}={_fmt(ranks)}: expected a non-empty list of ranks in [0, {n})")
+    seen = set()
+    for i, r in enumerate(ranks):
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise ConfigError(f"{rp}[{i}]={_fmt(r)}: expected an integer rank in [0, {n}), got {type(r).__name__}")
+        if not 0 <= r < n:
+            raise ConfigError(f"{rp}[{i}]={_fmt(r)}: expected a rank in [0, {n}) (world_size {n})")
+        if r in seen:
+            raise ConfigError(f"{rp}[{i}]={_fmt(r)}: rank {r} is listed twice")
+        seen.add(r)
+    topology = values.get("topology", EmulationSection.topology)
+    if not isinstance(topology, str) or not topology.strip():
+        raise ConfigError(f"{path}.topology={_fmt(topology)}: expected a topology name or file path "
+                          "(a non-empty string)")
+    return EmulationSection(world_size=n, real_ranks=tuple(ranks), topology=topology)
+
+
+def parse_section(values: Optional[Mapping[str, Any]], path: str = SECTION) -> PitstopSection:
+    """Validate the ``"pitstop"`` section (``None`` or ``{}``: every default)."""
+    if values is None:
+        return PitstopSection()
+    values = _mapping(path, values)
+    _unknown(path, values, _SECTION_KEYS)
+    d = PitstopSection()
+    kw: Dict[str, Any] = {}
+    kw["standby"] = _int(f"{path}.standby", values.get("standby", d.standby), 0, "an integer >= 0")
+    # The three timeouts in order: each must exceed the one before.
+    hi = kw["heartbeat_interval"] = _seconds_above(
+        f"{path}.heartbeat_interval", values.get("heartbeat_interval", d.heartbeat_interval), 0.0, None)
+    ht = kw["heartbeat_timeout"] = _seconds_above(
+        f"{path}.heartbeat_timeout", values.get("heartbeat_timeout", d.heartbeat_timeout), hi,
+        f"{path}.heartbeat_interval")
+    kw["collective_timeout"] = _seconds_above(
+        f"{path}.collective_timeout", values.get("collective_timeout", d.collective_timeout), ht,
+        f"{path}.heartbeat_timeout")
+    kw["buddy"] = _bool(f"{path}.buddy", values.get("buddy", d.buddy))
+    kw["warmup"] = _bool(f"{path}.warmup", values.get("warmup", d.warmup))
+    hw = values.get("hold_for_warm", d.hold_for_warm)
+    kw["hold_for_warm"] = _number(f"{path}.hold_for_warm", hw, "a number of seconds >= 0 (0: do not wait)")
+    if kw["hold_for_warm"] < 0:
+        raise ConfigError(f"{path}.hold_for_warm={_fmt(hw)}: expected a number of seconds >= 0 (0: do not wait)")
+    if values.get("emulation") is not None:
+        kw["emulation"] = _parse_emulation(f"{path}.emulation", values["emulation"])
+    return PitstopSection(**kw)
+
+
+# ------------------------------------------------------------------- whole configs
+def _no_duplicates(pairs):
+    out: Dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ConfigError(f"duplicate key {k!r} in the DeepSpeed config")
+        out[k] = v
+    return out
+
+
+def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]"]) -> Dict[str, Any]:
+    """A DeepSpeed config as a dict, from what ``deepspeed.initialize(config=...)`` accepts: a dict,
+    the path of a JSON file, or a base64-encoded JSON string. A dict is deep-copied."""
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    data = json.load(f, object_pairs_hook=_no_duplicates)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"DeepSpeed config {path}: not valid JSON ({exc})") from None
+        else:
+            try:
+                text = base64.urlsafe_b64decode(path).decode("utf-8")
+                data = json.loads(text, object_pairs_hook=_no_duplicates)
+            except (binascii.Error, ValueError):
+                raise ConfigError(
+                    f"DeepSpeed config {path!r}: expected a dict, the path of an existing JSON file or "
+                    "base64-encoded JSON") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"DeepSpeed config {path}: expected a JSON object at the top, got {type(data).__name__}")
+        return data
+    raise ConfigError(f"DeepSpeed config {config!r}: expected a dict or a path, got {type(config).__name__}")
+
+
+def strip_section(config: Union[Mapping[str, Any], str, "os.PathLike[str]"]) -> Tuple[Dict[str, Any], PitstopSection]:
+    """``(config without "pitstop", PitstopSection)``; the first goes to ``deepspeed.initialize``.
+
+    The input is never modified. A config without the section gives every default.
+    """
+    data = load_config(config)
+    _refuse_lookalikes(data)
+    section = parse_section(data.pop(SECTION, None))
+    return data, section
+
+
+def _refuse_lookalikes(data: Mapping[str, Any]) -> None:
+    """DeepSpeed 0.19.8 ignores unknown top-level keys, so a misspelt section would be dropped
+    without a word: refuse a top-level key that looks like ``pitstop`` but is not."""
+    import difflib
+
+    for key in data:
+        if key == SECTION or not isinstance(key, str):
+            continue
+        squashed = key.lower().replace("_", "").replace("-", "").replace(" ", "")
+        if squashed == SECTION or difflib.SequenceMatcher(None, squashed, SECTION).ratio() >= 0.8:
+            raise ConfigError(f"DeepSpeed config key {key!r}: did you mean {SECTION!r}? (DeepSpeed would "
+                              "ignore it silently)")
+
+
+# ---------------------------------------------------------------------- documentation
+_TYPES = {
+    "standby": "int >= 0",
+    "heartbeat_interval": "float > 0, s",
+    "heartbeat_timeout": "float, s",
+    "collective_timeout": "float, s",
+    "buddy": "bool",
+    "warmup": "bool",
+    "hold_for_warm": "float >= 0, s",
+    "emulation": "object",
+    "emulation.world_size": "int >= 1",
+    "emulation.real_ranks": "list of int",
+    "emulation.topology": "str",
+}
+
+
+def _doc(cls, name: str) -> str:
+    """The attribute docstring of ``cls.name`` (read from the source), as one line."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    for i, node in enumerate(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and node.target.id == name and i + 1 < len(body)):
+            nxt = body[i + 1]
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                return " ".join(nxt.value.value.split()).replace("``", "`")  # reST -> markdown
+    return ""
+
+
+def _default(v: Any) -> str:
+    if v is None:
+        return "absent"
+    return json.dumps(v)
+
+
+def keys_table() -> str:
+    """A markdown table of every key (key, type, default, meaning), for the README."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    d = PitstopSection()
+    for f in fields(PitstopSection):
+        rows.append(f"| `{SECTION}.{f.name}` | {_TYPES[f.name]} | {_default(getattr(d, f.name))} | "
+                    f"{_doc(PitstopSection, f.name)} |")
+    for f in fields(EmulationSection):
+        default = "required" if f.default is MISSING else _default(f.default)
+        rows.append(f"| `{SECTION}.emulation.{f.name}` | {_TYPES['emulation.' + f.name]} | {default} | "
+                    f"{_doc(EmulationSection, f.name)} |")
+    return "\n".join(rows) + "\n"
