@@ -94,6 +94,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-file", default=None, help="append the per-step JSON lines here (any process that "
                                                          "plays rank 0 appends, a joiner included)")
     p.add_argument("--checksum", action="store_true", help="print every rank's parameter checksum at the end")
+    p.add_argument("--track-memory", action="store_true",
+                   help="count tensor memory from the start (pitstop.emulation.memory) and print its peak with "
+                        "--checksum: what `pitstop emulate` reports for a real rank")
     p.add_argument("--step-delay", type=float, default=0.0, metavar="S",
                    help="sleep S seconds per step: a slower job, so a demo or test can drain it mid-run")
     p.add_argument("--shm-op", choices=("skip", "build"), default="skip",
@@ -301,9 +304,19 @@ def checksum(engine) -> str:
     return h.hexdigest()
 
 
+def _peak_tensor_bytes():
+    from pitstop.emulation import memory
+
+    return memory.peak_bytes()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     args = parse_args(argv)
+    if args.track_memory:
+        from pitstop.emulation import memory
+
+        memory.start()
     engine, data_fn = setup(args)
     t_setup = time.perf_counter() - t0
     session = None
@@ -322,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batches = (data_fn(s) for s in range(1, args.steps + 1))
         steps, commit, rank = range(1, args.steps + 1), (lambda step: True), int(os.environ.get("RANK", "0"))
     for step in steps:
+        ts = time.perf_counter()
         loss = dp_mean(engine, train_step(engine, next(session.data) if session else next(batches)))
         if args.step_delay:
             time.sleep(args.step_delay)
@@ -329,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         if rank == 0:
             line = json.dumps({"step": step, "loss": loss, "loss_hex": loss.hex(),
+                               "step_time_s": round(time.perf_counter() - ts, 4),
                                "generation": session.gen if session else 0, "pid": os.getpid()})
             print(line, flush=True)
             if args.loss_file:
@@ -338,7 +353,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.checksum:
         print(json.dumps({"rank": rank, "param_sha256": digest, "zero_stage": args.zero_stage,
                           "steps_committed": session.steps_committed if session else args.steps,
-                          "stale_refs": len(session.stale_refs) if session else 0}), flush=True)
+                          "stale_refs": len(session.stale_refs) if session else 0,
+                          "hook_s": round(session.hook_s, 4) if session else 0.0,
+                          "buddy_s": round(session.buddy_s, 4) if session else 0.0,
+                          "buddy_bytes": session.buddy.nbytes if session and session.buddy else 0,
+                          "peak_tensor_bytes": _peak_tensor_bytes()}), flush=True)
     if rank == 0:
         print(json.dumps({"checksum": digest, "zero_stage": args.zero_stage, "setup_s": round(t_setup, 2),
                           "total_s": round(time.perf_counter() - t0, 2)}), flush=True)

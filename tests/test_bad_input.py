@@ -91,3 +91,24 @@ def test_launcher_refuses_bad_input_before_starting_anything(argv, message, caps
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not run_dir.exists()  # nothing was started half-way
+
+
+@pytest.mark.parametrize("section,needle", [
+    ({"standbys": 1}, "unknown key"),
+    ({"heartbeat_timeout": 0.2}, "pitstop.heartbeat_timeout=0.2"),
+    ({"standby": "one"}, "pitstop.standby"),
+])
+def test_launch_refuses_a_bad_deepspeed_pitstop_section_before_anything_starts(tmp_path, section, needle):
+    """`pitstop launch` reads the "pitstop" section of the script's --deepspeed_config: an
+    unknown key, an out-of-order timeout or a wrong type stops it before a process starts."""
+    import json
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "pitstop": section}))
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "pitstop.launch.cli", "launch", "--nproc-per-node", "2",
+                        "--run-dir", str(run_dir), "--", str(ROOT / "examples" / "train_deepspeed.py"),
+                        "--deepspeed_config", str(cfg)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr, r.stderr
+    assert not (run_dir / "events.jsonl").exists(), "the job started"

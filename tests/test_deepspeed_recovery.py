@@ -71,3 +71,18 @@ def test_zero2_planned_drain_is_bitwise_identical(tmp_path):
     d = res.of("drained")
     assert len(d) == 1 and d[0]["role"] == 2 and d[0]["generation"] == 1, res.tails()
     assert d[0]["pause_s"] is not None and d[0]["pause_s"] < 5 and d[0]["stale_refs"] == 0, d
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_zero2_without_standby_falls_back_to_deepspeeds_own_checkpoint(tmp_path):
+    """No standby: every process restarts and DeepSpeed's ``load_checkpoint`` (of the
+    ``save_checkpoint`` pitstop made every 2 steps) resumes the run bit for bit."""
+    ref = run_job(tmp_path / "ref", STEPS, nproc=4, gpt=_gpt(2), timeout=400)
+    kill = Fault.kill(rank=1).at(step=4, phase="optimizer")
+    res = run_job(tmp_path / "run", STEPS, standby=0, faults=kill.spec(), nproc=4, gpt=_gpt(2), timeout=600,
+                  launch_args=LAUNCH + ["--save-interval", "2"])
+    fb = res.of("fallback")
+    assert len(fb) == 1 and fb[0]["resume_step"] == 2, res.tails()
+    assert (tmp_path / "run" / "checkpoints" / "iter_0000002").is_dir()  # DeepSpeed's own files, pitstop's tag
+    _assert_same(res, ref)

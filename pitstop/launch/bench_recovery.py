@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from pitstop.launch.controller import request_drain
-from pitstop.launch.runs import JobResult, run_job, wait_for_event
+from pitstop.launch.runs import JobResult, run_job, wait_for_event, wait_for_step
 from pitstop.runtime.faults import Fault
 
 KILL = Fault.kill(rank=5).at(step=4, phase="backward")
@@ -81,6 +81,75 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict
             "restart_loss_identical": all(restart.losses.get(k) == v for k, v in ref.losses.items()),
         },
         "job": "world 8 (tp2 pp2 dp2) Megatron-Core GPT on CPU/gloo, 1 standby, kill rank 5 at step 4 (backward), drain rank 2",
+        "run_dir": str(base),
+    }
+
+
+#: The DeepSpeed job: world 4, pure data parallel, ZeRO 2 (examples/train_deepspeed.py).
+DS_GPT = ["examples/train_deepspeed.py", "--zero-stage", "2", "--checksum"]
+DS_KILL = Fault.kill(rank=2).at(step=4, phase="backward")
+DS_LAUNCH = ["--heartbeat-timeout", "15"]  # DeepSpeed's import and engine build load two cores for seconds
+
+
+def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery-deepspeed") -> Dict[str, Any]:
+    """The same keys as :func:`bench_recovery`, for a DeepSpeed ZeRO-2 engine at world 4.
+
+    The baseline is DeepSpeed's own checkpoint restart, as a DeepSpeed user runs it:
+    ``engine.save_checkpoint`` every 2 steps, the kill, every process restarted, groups
+    and engine built again, ``engine.load_checkpoint``, first finished step (pitstop's
+    no-standby fallback with a DeepSpeed job does exactly this). The standby joins cold:
+    DeepSpeed has no sandboxed warmup yet. The drain runs with ``--step-delay 0.3`` so the
+    job is still running when the standby has built its engine; the delay is not in any
+    other run, and the pause it reports does not depend on it.
+    """
+    base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
+    ref = run_job(base / "reference", steps, nproc=4, gpt=DS_GPT, launch_args=DS_LAUNCH)
+    if ref.code != 0:
+        raise RuntimeError(f"the reference run failed:\n{ref.tails()}")
+    restart = run_job(base / "restart", steps, standby=0, faults=DS_KILL.spec(), nproc=4, gpt=DS_GPT,
+                      launch_args=DS_LAUNCH + ["--save-interval", "2"])
+    unplanned = run_job(base / "unplanned", steps, standby=1, faults=DS_KILL.spec(), nproc=4, gpt=DS_GPT,
+                        launch_args=DS_LAUNCH)
+    drain_steps = max(steps, 24)
+    slow = DS_GPT + ["--step-delay", "0.3"]
+    ref_slow = run_job(base / "reference-slow", drain_steps, nproc=4, gpt=slow, launch_args=DS_LAUNCH)
+
+    def drain(d: Path) -> None:
+        wait_for_step(d, 1)
+        request_drain(d, rank=1)
+
+    planned = run_job(base / "planned", drain_steps, standby=1, during=drain, nproc=4, gpt=slow, launch_args=DS_LAUNCH)
+    import json
+
+    iters = [json.loads(line)["step_time_s"] for line in (base / "reference" / "loss.jsonl").read_text().splitlines()[1:]]
+    steady = statistics.median(iters)
+    hook = statistics.mean(st["hook_s"] / max(1, st["steps_committed"]) for st in ref.stats)
+    buddy = statistics.mean(st["buddy_s"] / max(1, st["steps_committed"]) for st in ref.stats)
+    rep = (unplanned.of("replaced") or [{}])[0]
+    rst = (restart.of("restarted") or [{}])[0]
+    drn = (planned.of("drained") or [{}])[0]
+    baseline_s, unplanned_s = rst.get("downtime_s"), rep.get("downtime_s")
+    return {
+        "baseline_restart_s": baseline_s,
+        "unplanned_s": unplanned_s,
+        "planned_pause_s": drn.get("pause_s"),
+        "steady_iteration_s": steady,
+        "ratio_unplanned": None if not (baseline_s and unplanned_s) else round(unplanned_s / baseline_s, 4),
+        "loss_identical": _identical(unplanned, ref) and _identical(planned, ref_slow),
+        "buddy_copy_bytes": max(st["buddy_bytes"] for st in ref.stats),
+        "hook_overhead_pct": round(100 * hook / steady, 3),
+        "breakdown": {
+            "unplanned": {k: rep.get(k) for k in ("detect_s", "plan_s", "groups_s", "state_s", "first_step_s",
+                                                  "swapped", "stale_refs")},
+            "planned": {k: drn.get(k) for k in ("prepare_s", "pause_s", "groups_s", "state_s", "first_step_s",
+                                                "swapped", "stale_refs")},
+            "restart": {"resume_step": (restart.of("fallback") or [{}])[0].get("resume_step")},
+            "hook_per_step_s": round(hook, 5),
+            "buddy_exchange_per_step_s": round(buddy, 5),
+            "restart_loss_identical": restart.code == 0 and all(restart.losses.get(k) == v for k, v in ref.losses.items()),
+        },
+        "job": "world 4 (dp4) DeepSpeed ZeRO-2 engine, examples/train_deepspeed.py, CPU/gloo, 1 standby (cold), "
+               "kill rank 2 at step 4 (backward), drain rank 1",
         "run_dir": str(base),
     }
 

@@ -86,7 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     r = bsub.add_parser("recovery", help="checkpoint restart vs pitstop replacement vs drain, one run, same job")
     r.add_argument("--json", action="store_true")
     r.add_argument("--steps", type=int, default=8)
-    r.add_argument("--run-dir", default="runs/bench-recovery")
+    r.add_argument("--run-dir", default=None, help="default runs/bench-recovery[-deepspeed]")
+    r.add_argument("--framework", choices=("megatron", "deepspeed"), default="megatron",
+                   help="megatron: world-8 GPT vs dist_checkpointing restart; deepspeed: world-4 ZeRO-2 engine "
+                        "vs DeepSpeed's save_checkpoint/load_checkpoint restart")
     fm = bsub.add_parser("faults", help="the full fault matrix (4 roles x 5 phases), each bitwise against an uninterrupted run")
     fm.add_argument("--json", action="store_true")
     fm.add_argument("--run-dir", default="runs/bench-faults")
@@ -125,9 +128,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(status_table(args.run_dir, args.last))
             return 0
         if args.cmd == "bench" and args.bench == "recovery":
-            from pitstop.launch.bench_recovery import bench_recovery
+            from pitstop.launch.bench_recovery import bench_recovery, bench_recovery_deepspeed
 
-            out = bench_recovery(steps=args.steps, run_dir=args.run_dir)
+            if args.framework == "deepspeed":
+                out = bench_recovery_deepspeed(steps=args.steps, run_dir=args.run_dir or "runs/bench-recovery-deepspeed")
+            else:
+                out = bench_recovery(steps=args.steps, run_dir=args.run_dir or "runs/bench-recovery")
             print(json.dumps(out) if args.json else json.dumps(out, indent=2))
             return 0
         if args.cmd == "bench" and args.bench == "faults":

@@ -19,6 +19,7 @@ framework=...)``); the integrations pass theirs.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -62,6 +63,17 @@ class Framework:
 
     def resync_params(self, model: Sequence[Any], optimizer) -> None:
         state.resync_params(model, optimizer)
+
+    def save(self, ckpt_dir: str, step: int, model: Sequence[Any], optimizer) -> None:
+        """The no-standby fallback's checkpoint (collective)."""
+        from pitstop.runtime import checkpoint
+
+        checkpoint.save(ckpt_dir, step, list(model), optimizer)
+
+    def load(self, ckpt_dir: str, model: Sequence[Any], optimizer, step: int) -> int:
+        from pitstop.runtime import checkpoint
+
+        return checkpoint.load(ckpt_dir, list(model), optimizer, step)
 
     def param_buffers(self, model: Sequence[Any], optimizer) -> List[torch.Tensor]:
         return state.param_buffers(model)
@@ -126,6 +138,32 @@ class DeepSpeedFramework(Framework):
     def resync_params(self, model: Sequence[Any], optimizer) -> None:
         if hasattr(optimizer, "update_lp_params"):  # ZeRO 1/2: fp32 partition -> bit16 + all-gather
             optimizer.update_lp_params()
+
+    def save(self, ckpt_dir: str, step: int, model: Sequence[Any], optimizer) -> None:
+        """DeepSpeed's own ``save_checkpoint`` (tag ``iter_0000012``), then pitstop's ``latest``
+        marker, written by rank 0 once every rank's save returned (DeepSpeed's own ``latest``
+        file is not written: pitstop's names the step for the controller)."""
+        import torch.distributed as dist
+
+        from pitstop.runtime import checkpoint
+
+        e = self._engine(model)
+        tag = checkpoint.iter_dir(ckpt_dir, step).name
+        e.save_checkpoint(ckpt_dir, tag=tag, client_state={"pitstop_step": int(step)}, save_latest=False)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            checkpoint._fsync_write(Path(ckpt_dir) / checkpoint.LATEST, str(int(step)))
+        dist.barrier()
+
+    def load(self, ckpt_dir: str, model: Sequence[Any], optimizer, step: int) -> int:
+        """DeepSpeed's own ``load_checkpoint`` of that tag: module, ZeRO partitions, scheduler, counters."""
+        from pitstop.runtime import checkpoint
+
+        path, client = self._engine(model).load_checkpoint(ckpt_dir, tag=checkpoint.iter_dir(ckpt_dir, step).name)
+        if path is None or client.get("pitstop_step") != step:
+            raise checkpoint.CheckpointError(f"DeepSpeed checkpoint {checkpoint.iter_dir(ckpt_dir, step)}: not loaded "
+                                  f"(load_checkpoint returned {path!r}, step {client.get('pitstop_step') if client else None})")
+        return step
 
     def param_buffers(self, model: Sequence[Any], optimizer) -> List[torch.Tensor]:
         flats = getattr(optimizer, "bit16_groups_flat", None)

@@ -256,10 +256,8 @@ class Session:
         return st.get(vk).decode()
 
     def _save(self, step: int) -> None:
-        from pitstop.runtime import checkpoint
-
         t0 = time.perf_counter()
-        checkpoint.save(self.checkpoint_dir, step, self.model, self.optimizer)
+        self.fw.save(self.checkpoint_dir, step, self.model, self.optimizer)
         self._info("checkpoint of step %d saved in %.2fs", step, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ watchers (heartbeat thread)
@@ -429,12 +427,11 @@ class Session:
             self._start_drain()
         else:
             if mode == "restart":
-                from pitstop.runtime import checkpoint
                 import os
 
                 from pitstop.runtime.worker import ENV_RESUME
 
-                loaded = checkpoint.load(self.checkpoint_dir, self.model, self.optimizer, int(os.environ[ENV_RESUME]))
+                loaded = self.fw.load(self.checkpoint_dir, self.model, self.optimizer, int(os.environ[ENV_RESUME]))
                 self.first_step = loaded + 1
                 self._info("restarted from the checkpoint of step %d", loaded)
             self.data = self.make_data(self.first_step)
