@@ -94,25 +94,11 @@ def test_emulated_zero2_rank_reports_the_real_runs_peak_memory(tmp_path):
     """``pitstop emulate`` of the DeepSpeed job at world 4 with one real rank: its peak tensor
     bytes equal rank 0's in a real world-4 run exactly (ZeRO partitions and buckets depend on
     the world size, so a world-1 run would not do)."""
-    import json
-    from pathlib import Path
-
+    from conftest import run_checksums
     from pitstop.launch.emulate import EmulateSpec, measure_memory
-    from pitstop.launch.local import LocalJob
 
     args = ["--zero-stage", "2", "--steps", "3"]
-    job = LocalJob(tmp_path / "real")
-    try:
-        ctx = job.start("real", [SCRIPT, *args, "--checksum", "--track-memory"], range(4), 4)
-        res = ctx.wait(timeout=400, period=0.5)
-        assert res is not None and not res.is_failed(), job.log_tail(ctx)
-        peaks = {}
-        for path in ctx.stdouts.values():
-            for line in Path(path).read_text().splitlines():
-                if line.startswith('{"rank"'):
-                    rec = json.loads(line)
-                    peaks[rec["rank"]] = rec["peak_tensor_bytes"]
-    finally:
-        job.close()
+    recs = run_checksums(tmp_path / "real", [SCRIPT, *args, "--checksum", "--track-memory"], 4)
+    peaks = {r: rec["peak_tensor_bytes"] for r, rec in recs.items()}
     emulated = measure_memory(EmulateSpec(4, 1, 1, [0], [SCRIPT, *args], tmp_path / "emu", timeout_s=400))
     assert peaks[0] > 1_000_000 and emulated[0] == peaks[0], (emulated, peaks)

@@ -7,18 +7,17 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from pitstop.emulation.graph import Comm, Compute, slice_graph
+from pitstop.emulation.graph import Comm, slice_graph
 from pitstop.emulation.replay import replay
 from pitstop.emulation.synthetic import one_f_one_b_traces
 from pitstop.emulation.topology import load
 from pitstop.emulation.tracer import PacingOracle, TracingOracle, nbytes_of, peer_offset, schedule_of
 from pitstop.errors import ConfigError
-from pitstop.launch.emulate import EmulateSpec, parse_ranks, tracers, validate
+from pitstop.launch.emulate import EmulateSpec, parse_ranks, tracers
 from pitstop.launch.runs import ROOT
 from pitstop.layout import ParallelLayout
 
@@ -235,23 +234,11 @@ def test_peak_tracker_follows_a_storage_swapped_under_a_live_tensor():
 
 # --------------------------------------------------------------------------- memory, tier 3
 def _real_peaks(tmp_path, name, *script_args):
-    from pitstop.launch.local import LocalJob
+    from conftest import run_checksums
 
-    job = LocalJob(tmp_path / name)
-    try:
-        ctx = job.start(name, ["examples/train_gpt.py", *script_args, "--steps", "3", "--checksum", "--track-memory"],
-                        range(2), 2)
-        res = ctx.wait(timeout=240, period=0.2)
-        assert res is not None and not res.is_failed(), job.log_tail(ctx)
-        peaks = {}
-        for path in ctx.stdouts.values():
-            for line in Path(path).read_text().splitlines():
-                if line.startswith('{"rank"'):
-                    rec = json.loads(line)
-                    peaks[rec["rank"]] = rec["peak_tensor_bytes"]
-        return peaks
-    finally:
-        job.close()
+    recs = run_checksums(tmp_path / name, ["examples/train_gpt.py", *script_args, "--steps", "3", "--checksum",
+                                           "--track-memory"], 2, timeout=240)
+    return {r: rec["peak_tensor_bytes"] for r, rec in recs.items()}
 
 
 @pytest.mark.slow
@@ -260,7 +247,7 @@ def _real_peaks(tmp_path, name, *script_args):
 def test_emulated_peak_memory_equals_the_real_runs_byte_for_byte(tmp_path, layout):
     """World 2: a real gloo run of both ranks against ``pitstop emulate`` with the rank
     real and its peer virtual. The peak tensor bytes must be equal, not close."""
-    from pitstop.launch.emulate import EmulateSpec, measure_memory
+    from pitstop.launch.emulate import measure_memory
 
     tp, pp = (2, 1) if layout == "tp2" else (1, 2)
     args = ["--tp", str(tp), "--pp", str(pp)]

@@ -29,6 +29,39 @@ def _identical(res: JobResult, ref: JobResult) -> bool:
     return res.code == 0 and res.losses == ref.losses and res.checksums == ref.checksums
 
 
+def _summary(ref: JobResult, restart: JobResult, rep: Dict[str, Any], drn: Dict[str, Any],
+             identical: bool) -> Dict[str, Any]:
+    """The keys both recovery benchmarks report (see BENCHMARKS.md)."""
+    import json
+
+    iters = [json.loads(line)["step_time_s"] for line in (ref.run_dir / "loss.jsonl").read_text().splitlines()[1:]]
+    steady = statistics.median(iters)
+    hook = statistics.mean(s["hook_s"] / max(1, s["steps_committed"]) for s in ref.stats)
+    buddy = statistics.mean(s["buddy_s"] / max(1, s["steps_committed"]) for s in ref.stats)
+    rst = (restart.of("restarted") or [{}])[0]
+    baseline_s, unplanned_s = rst.get("downtime_s"), rep.get("downtime_s")
+    return {
+        "baseline_restart_s": baseline_s,
+        "unplanned_s": unplanned_s,
+        "planned_pause_s": drn.get("pause_s"),
+        "steady_iteration_s": steady,
+        "ratio_unplanned": None if not (baseline_s and unplanned_s) else round(unplanned_s / baseline_s, 4),
+        "loss_identical": identical,
+        "buddy_copy_bytes": max(s["buddy_bytes"] for s in ref.stats),
+        "hook_overhead_pct": round(100 * hook / steady, 3),
+        "breakdown": {
+            "unplanned": {k: rep.get(k) for k in ("detect_s", "plan_s", "groups_s", "state_s", "first_step_s",
+                                                  "swapped", "stale_refs")},
+            "planned": {k: drn.get(k) for k in ("prepare_s", "pause_s", "groups_s", "state_s", "first_step_s",
+                                                "swapped", "stale_refs")},
+            "restart": {"resume_step": (restart.of("fallback") or [{}])[0].get("resume_step")},
+            "hook_per_step_s": round(hook, 5),
+            "buddy_exchange_per_step_s": round(buddy, 5),
+            "restart_loss_identical": restart.code == 0 and all(restart.losses.get(k) == v for k, v in ref.losses.items()),
+        },
+    }
+
+
 def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict[str, Any]:
     base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
     ref = run_job(base / "reference", steps)
@@ -45,41 +78,17 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict
 
     planned = run_job(base / "planned", steps, standby=1, during=drain, launch_args=["--hold-for-warm", "30"])
 
-    iters = []
-    import json
-
-    for line in (base / "reference" / "loss.jsonl").read_text().splitlines()[1:]:
-        iters.append(json.loads(line)["step_time_s"])
-    steady = statistics.median(iters)
-    hook = statistics.mean(s["hook_s"] / max(1, s["steps_committed"]) for s in ref.stats)
-    buddy = statistics.mean(s["buddy_s"] / max(1, s["steps_committed"]) for s in ref.stats)
     rep = (unplanned.of("replaced") or [{}])[0]
     rep_cold = (cold.of("replaced") or [{}])[0]
-    rst = (restart.of("restarted") or [{}])[0]
-    drn = (planned.of("drained") or [{}])[0]
-    baseline_s, unplanned_s = rst.get("downtime_s"), rep.get("downtime_s")
+    out = _summary(ref, restart, rep, (planned.of("drained") or [{}])[0],
+                   _identical(unplanned, ref) and _identical(planned, ref) and _identical(cold, ref))
+    # what the sandboxed warmup takes off the critical path (same kill, same job, cold standby)
+    out["breakdown"]["warmup"] = {
+        "joiner_warm": rep.get("warm"), "cold_joiner_s": rep_cold.get("downtime_s"), "warm_joiner_s": rep.get("downtime_s"),
+        "state_cold_s": rep_cold.get("state_s"), "state_warm_s": rep.get("state_s"),
+        "first_iter_cold_s": rep_cold.get("first_iter_s"), "first_iter_warm_s": rep.get("first_iter_s")}
     return {
-        "baseline_restart_s": baseline_s,
-        "unplanned_s": unplanned_s,
-        "planned_pause_s": drn.get("pause_s"),
-        "steady_iteration_s": steady,
-        "ratio_unplanned": None if not (baseline_s and unplanned_s) else round(unplanned_s / baseline_s, 4),
-        "loss_identical": _identical(unplanned, ref) and _identical(planned, ref) and _identical(cold, ref),
-        "buddy_copy_bytes": max(s["buddy_bytes"] for s in ref.stats),
-        "hook_overhead_pct": round(100 * hook / steady, 3),
-        "breakdown": {
-            "unplanned": {k: rep.get(k) for k in ("detect_s", "plan_s", "groups_s", "state_s", "first_step_s")},
-            "planned": {k: drn.get(k) for k in ("prepare_s", "pause_s", "groups_s", "state_s", "first_step_s")},
-            "restart": {"resume_step": (restart.of("fallback") or [{}])[0].get("resume_step")},
-            # what the sandboxed warmup takes off the critical path (same kill, same job, cold standby)
-            "warmup": {"joiner_warm": rep.get("warm"), "cold_joiner_s": rep_cold.get("downtime_s"),
-                       "warm_joiner_s": unplanned_s, "state_cold_s": rep_cold.get("state_s"),
-                       "state_warm_s": rep.get("state_s"), "first_iter_cold_s": rep_cold.get("first_iter_s"),
-                       "first_iter_warm_s": rep.get("first_iter_s")},
-            "hook_per_step_s": round(hook, 5),
-            "buddy_exchange_per_step_s": round(buddy, 5),
-            "restart_loss_identical": all(restart.losses.get(k) == v for k, v in ref.losses.items()),
-        },
+        **out,
         "job": "world 8 (tp2 pp2 dp2) Megatron-Core GPT on CPU/gloo, 1 standby, kill rank 5 at step 4 (backward), drain rank 2",
         "run_dir": str(base),
     }
@@ -119,35 +128,10 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
         request_drain(d, rank=1)
 
     planned = run_job(base / "planned", drain_steps, standby=1, during=drain, nproc=4, gpt=slow, launch_args=DS_LAUNCH)
-    import json
-
-    iters = [json.loads(line)["step_time_s"] for line in (base / "reference" / "loss.jsonl").read_text().splitlines()[1:]]
-    steady = statistics.median(iters)
-    hook = statistics.mean(st["hook_s"] / max(1, st["steps_committed"]) for st in ref.stats)
-    buddy = statistics.mean(st["buddy_s"] / max(1, st["steps_committed"]) for st in ref.stats)
-    rep = (unplanned.of("replaced") or [{}])[0]
-    rst = (restart.of("restarted") or [{}])[0]
-    drn = (planned.of("drained") or [{}])[0]
-    baseline_s, unplanned_s = rst.get("downtime_s"), rep.get("downtime_s")
+    out = _summary(ref, restart, (unplanned.of("replaced") or [{}])[0], (planned.of("drained") or [{}])[0],
+                   _identical(unplanned, ref) and _identical(planned, ref_slow))
     return {
-        "baseline_restart_s": baseline_s,
-        "unplanned_s": unplanned_s,
-        "planned_pause_s": drn.get("pause_s"),
-        "steady_iteration_s": steady,
-        "ratio_unplanned": None if not (baseline_s and unplanned_s) else round(unplanned_s / baseline_s, 4),
-        "loss_identical": _identical(unplanned, ref) and _identical(planned, ref_slow),
-        "buddy_copy_bytes": max(st["buddy_bytes"] for st in ref.stats),
-        "hook_overhead_pct": round(100 * hook / steady, 3),
-        "breakdown": {
-            "unplanned": {k: rep.get(k) for k in ("detect_s", "plan_s", "groups_s", "state_s", "first_step_s",
-                                                  "swapped", "stale_refs")},
-            "planned": {k: drn.get(k) for k in ("prepare_s", "pause_s", "groups_s", "state_s", "first_step_s",
-                                                "swapped", "stale_refs")},
-            "restart": {"resume_step": (restart.of("fallback") or [{}])[0].get("resume_step")},
-            "hook_per_step_s": round(hook, 5),
-            "buddy_exchange_per_step_s": round(buddy, 5),
-            "restart_loss_identical": restart.code == 0 and all(restart.losses.get(k) == v for k, v in ref.losses.items()),
-        },
+        **out,
         "job": "world 4 (dp4) DeepSpeed ZeRO-2 engine, examples/train_deepspeed.py, CPU/gloo, 1 standby (cold), "
                "kill rank 2 at step 4 (backward), drain rank 1",
         "run_dir": str(base),
