@@ -90,8 +90,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if args is not None and hasattr(args, "deepspeed_config") and config is None and config_params is None:
         args.deepspeed_config = None  # the stripped dict goes in as config=
     deepspeed = require("deepspeed", "deepspeed")
-    import torch._dynamo  # noqa: F401  deepspeed.initialize imports it lazily (2 s on an idle core, far more
-    # under load): a standby pays it while it waits for a role, not on the critical path of a replacement
     from pitstop.patches import deepspeed_cpu
 
     deepspeed_cpu.apply()  # no JIT build of the shm op on CPU; no-op with CUDA
