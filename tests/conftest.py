@@ -55,22 +55,7 @@ def job(tmp_path):
 
 
 def run_checksums(run_dir, argv, world: int, timeout: float = 400.0) -> dict:
-    """Run ``argv`` (a script printing ``{"rank": ..., ...}`` lines with ``--checksum``) as a
-    plain world of ``world`` processes; returns each rank's record."""
-    import json
-    from pathlib import Path
+    """Each rank's ``{"rank": ...}`` line of a plain world running ``argv`` (see ``run_plain``)."""
+    from pitstop.launch.local import run_plain
 
-    job = LocalJob(run_dir)
-    try:
-        ctx = job.start("real", list(argv), range(world), world)
-        res = ctx.wait(timeout=timeout, period=0.2)
-        assert res is not None and not res.is_failed(), job.log_tail(ctx)
-        out = {}
-        for path in ctx.stdouts.values():
-            for line in Path(path).read_text().splitlines():
-                if line.startswith('{"rank"'):
-                    rec = json.loads(line)
-                    out[rec["rank"]] = rec
-        return out
-    finally:
-        job.close()
+    return run_plain(run_dir, argv, world, timeout)

@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from pitstop.errors import PitstopError
 from pitstop.launch.emulate import EmulateSpec, emulate
-from pitstop.launch.local import LocalJob
+from pitstop.launch.local import run_plain
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "train_gpt.py")
@@ -50,21 +49,7 @@ GOALS = {"avg_error_pct": 0.5, "overhead_pct": 10.0}
 
 def _real(run_dir: Path, name: str, argv: List[str], timeout: float) -> Dict[int, Dict[str, Any]]:
     """A plain world-2 run (no controller): each rank's ``--checksum`` line."""
-    job = LocalJob(run_dir)
-    try:
-        ctx = job.start(name, argv + ["--checksum"], range(2), 2)
-        res = ctx.wait(timeout=timeout, period=0.2)
-        if res is None or res.is_failed():
-            raise PitstopError(f"real run {name} {'timed out' if res is None else 'failed'}\n" + job.log_tail(ctx))
-        out = {}
-        for i, path in ctx.stdouts.items():
-            for line in Path(path).read_text().splitlines():
-                if line.startswith('{"rank"'):
-                    rec = json.loads(line)
-                    out[rec["rank"]] = rec
-        return out
-    finally:
-        job.close()
+    return run_plain(run_dir, argv + ["--checksum"], 2, timeout)
 
 
 def _median_after_first(xs: Sequence[float]) -> float:

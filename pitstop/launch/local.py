@@ -92,3 +92,30 @@ class LocalJob:
         for ctx in self.contexts:
             ctx.close()
         self.contexts.clear()
+
+
+def run_plain(run_dir, argv: Sequence[str], world_size: int, timeout: float = 400.0,
+              extra_env: Optional[Dict[int, Dict[str, str]]] = None) -> Dict[int, dict]:
+    """Run ``argv`` as a plain world (no controller) and return each rank's ``{"rank": ...}``
+    JSON line (what the examples print with ``--checksum``). Raises with every process's log
+    tail when a process fails or the run outlives ``timeout``."""
+    import json
+
+    from pitstop.errors import PitstopError
+
+    job = LocalJob(Path(run_dir))
+    try:
+        ctx = job.start("plain", list(argv), range(world_size), world_size, extra_env=extra_env)
+        res = ctx.wait(timeout=timeout, period=0.2)
+        if res is None or res.is_failed():
+            raise PitstopError(f"plain run {' '.join(argv)} {'timed out' if res is None else 'failed'}\n"
+                               + job.log_tail(ctx))
+        out: Dict[int, dict] = {}
+        for path in ctx.stdouts.values():
+            for line in Path(path).read_text().splitlines():
+                if line.startswith('{"rank"'):
+                    rec = json.loads(line)
+                    out[rec["rank"]] = rec
+        return out
+    finally:
+        job.close()
