@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from pitstop import pg as pgmod
+from pitstop.emulation import memory
 from pitstop.errors import PitstopError, RecoveryError
 from pitstop.plan import plan_replace
-from pitstop.emulation import memory
 from pitstop.runtime import keys, sandbox, state
 from pitstop.runtime.framework import MEGATRON, Framework, first_trainable, wrap
 from pitstop.runtime.faults import Fault
@@ -42,7 +42,6 @@ from pitstop.runtime.swap import find_groups, swap_groups
 from pitstop.runtime.worker import Membership, require_current
 
 log = logging.getLogger("pitstop.session")
-
 
 
 class Session:
