@@ -152,11 +152,9 @@ def groups_ready(groups: int) -> None:
 
 
 def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
+    from pitstop.runtime.sandbox import rss_bytes
+
+    return rss_bytes()
 
 
 def boundary(iter_s: float) -> None:
