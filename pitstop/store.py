@@ -7,6 +7,7 @@ hosts it, exactly as ``init_process_group("env://")`` would.
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from typing import Tuple
 
@@ -18,15 +19,35 @@ ENV_STORE = "PITSTOP_STORE"
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0, timeout: timedelta = timedelta(minutes=5)) -> dist.TCPStore:
-    """Host the control store (port 0: the kernel picks a free port; read ``.port``)."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    """Host the control store on ``host`` only (port 0: the kernel picks a free port; read ``.port``).
+
+    ``TCPStore`` on its own listens on every interface (``*:PORT``) whatever host it is
+    given. So pitstop binds the listening socket itself, to that one address, and hands
+    it over (``master_listen_fd``): the default ``127.0.0.1`` is reachable from this
+    machine only, and ``--rdzv-endpoint HOST:PORT`` names the one interface to open."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise PitstopError(f"cannot listen on {host}:{port} for the control store: {exc.strerror or exc}") from None
+    bound = sock.getsockname()[1]
+    # the store owns the descriptor from here on: Python must not close it when ``sock`` goes
+    return dist.TCPStore(host, bound, is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=sock.detach())
 
 
 def parse_endpoint(text: str) -> Tuple[str, int]:
+    """``HOST:PORT`` with a port in 0..65535 (0: pick a free one), or an error naming the text."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise PitstopError(f"store endpoint {text!r} must look like HOST:PORT")
-    return host, int(port)
+    if not 0 <= int(port) <= 65535:
+        raise PitstopError(f"store endpoint {text!r}: port {int(port)} is out of range, expected 0..65535")
+    return host.strip("[]"), int(port)
 
 
 def connect_from_env(timeout: timedelta = timedelta(minutes=5)) -> dist.TCPStore:

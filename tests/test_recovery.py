@@ -170,3 +170,50 @@ def test_warmed_general_standbys_take_first_middle_and_last_stage_roles(referenc
     # a warmed standby holds no more memory than a worker
     worker_rss = max(s["rss_bytes"] for s in res.stats)
     assert all(e["rss_bytes"] <= worker_rss for e in warmed), ([e["rss_bytes"] for e in warmed], worker_rss)
+
+
+# --------------------------------------------------------------------------- an untrusted control store
+def test_junk_on_every_control_key_is_refused_and_a_killed_rank_is_still_replaced(reference, tmp_path):
+    """A process that knows the store's address but not the token writes random, truncated,
+    oversized, wrong-type and replayed values onto every key of ``pitstop.runtime.keys``
+    from the roster until the job ends. Nothing acts on them: each that is read is refused
+    (logged), overwritten messages are written back, and the job, which loses rank 5 in
+    the backward pass of step 4, is replaced and finishes bitwise identical."""
+    import json
+    import threading
+    import time
+
+    from pitstop.launch.bench_control import fuzz_store
+    from pitstop.launch.runs import wait_for_event
+
+    counts = {}
+
+    def during(run_dir):
+        wait_for_event(run_dir, "roster")
+        info = wait_for_controller(run_dir)
+        stop = threading.Event()
+        t = threading.Thread(target=lambda: counts.update(fuzz_store(info["host"], info["port"], 400, seed=7, stop=stop)))
+        t.start()
+        ev = run_dir / "events.jsonl"
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:  # fuzz until the job is over
+            kinds = {json.loads(l).get("event") for l in ev.read_text().splitlines() if l.strip()}
+            if kinds & {"done", "failed"}:
+                break
+            time.sleep(0.5)
+        stop.set()
+        t.join()
+
+    fault = Fault.kill(rank=5).at(step=4, phase="backward")
+    res = run_job(tmp_path / "run", STEPS, standby=1, faults=fault.spec(), during=during,
+                  launch_args=["--hold-for-warm", "30"])
+    assert_same_run(res, reference)
+    rep = res.of("replaced")
+    assert len(rep) == 1 and rep[0]["role"] == 5 and rep[0]["step"] == 4, res.tails()
+    assert counts.get("writes", 0) > 500 and counts.get("replays", 0) > 0, counts
+    refused = res.of("refused")
+    reasons = " ".join(e["reason"] for e in refused)
+    for needle in ("unauthenticated", "bad MAC", "oversized"):
+        assert needle in reasons, (needle, refused[:20])
+    touched = {e["key"].split("/")[1] for e in refused}
+    assert {"hb", "join", "apply"} <= touched, touched

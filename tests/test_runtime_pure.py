@@ -9,7 +9,6 @@ import pytest
 import torch.distributed as dist
 
 from pitstop.errors import ConfigError
-from pitstop.launch.jobtoken import mac, verify
 from pitstop.runtime.config import RuntimeConfig
 from pitstop.runtime.faults import PHASES, Fault, parse_all
 from pitstop.runtime.swap import find_groups, swap_groups
@@ -85,13 +84,15 @@ def test_phases_are_in_step_order():
 
 
 # ----------------------------------------------------------------------------- token
-def test_job_token_hmac_proves_possession_only():
-    nonce = b"n" * 32
-    answer = mac("secret", nonce, "7")
-    assert verify("secret", nonce, "7", answer)
-    assert not verify("other", nonce, "7", answer)        # wrong token
-    assert not verify("secret", b"m" * 32, "7", answer)   # replayed for another nonce
-    assert not verify("secret", nonce, "8", answer)       # replayed for another slot
+def test_job_token_is_taken_out_of_the_environment(monkeypatch):
+    from pitstop import protocol
+
+    monkeypatch.setenv(protocol.ENV_TOKEN, "abc")
+    assert protocol.take_token_from_env() == "abc"
+    import os
+
+    assert protocol.ENV_TOKEN not in os.environ  # the script's children do not inherit it
+    assert protocol.take_token_from_env() == ""
 
 
 # ----------------------------------------------------------------------------- swap

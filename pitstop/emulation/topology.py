@@ -280,7 +280,12 @@ def load(path: Union[str, Path]) -> Topology:
     if not p.exists():
         names = sorted(f.stem for f in TOPOLOGY_DIR.glob("*.json"))
         raise TopologyError(f"topology file {str(path)!r} does not exist (shipped: {', '.join(names)})")
-    text = p.read_text()
+    if p.is_dir():
+        raise TopologyError(f"topology {str(path)!r} is a directory, expected a .json or .toml file")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TopologyError(f"topology file {str(path)!r} cannot be read: {exc}") from None
     if p.suffix == ".json":
         try:
             data = json.loads(text)

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from pitstop.errors import ConfigError, require
 from pitstop.groups import GroupRegistry
-from pitstop.integrations.deepspeed_config import PitstopSection, strip_section
+from pitstop.integrations.deepspeed_config import PitstopSection, refuse_unsupported, strip_section
 from pitstop.layout import ParallelLayout
 
 log = logging.getLogger("pitstop.deepspeed")
@@ -73,6 +73,19 @@ def _config_of(args, config, config_params):
     return config
 
 
+def _refuse_moe(model) -> None:
+    """DeepSpeed-MoE keeps expert groups pitstop does not rebuild: refused by name."""
+    import sys
+
+    moe = sys.modules.get("deepspeed.moe.layer")
+    if model is None or moe is None or not hasattr(model, "modules"):
+        return
+    for name, mod in model.named_modules():
+        if isinstance(mod, moe.MoE):
+            raise ConfigError(f"model has a DeepSpeed MoE layer ({name}): expert parallelism through "
+                              "deepspeed.moe is not supported")
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None, *, tensor_parallel: int = 1, warmup=None):
@@ -87,6 +100,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     import torch.distributed as dist
 
     ds_config, sect = strip_section(_config_of(args, config, config_params))  # validates before anything starts
+    refuse_unsupported(ds_config)
+    _refuse_moe(model)
     if args is not None and hasattr(args, "deepspeed_config") and config is None and config_params is None:
         args.deepspeed_config = None  # the stripped dict goes in as config=
     deepspeed = require("deepspeed", "deepspeed")

@@ -230,12 +230,16 @@ def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]"]) -> Di
         return copy.deepcopy(dict(config))
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
+        if os.path.isdir(path):
+            raise ConfigError(f"DeepSpeed config {path}: is a directory, expected a JSON file")
         if os.path.exists(path):
             try:
                 with open(path) as f:
                     data = json.load(f, object_pairs_hook=_no_duplicates)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ConfigError(f"DeepSpeed config {path}: not valid JSON ({exc})") from None
+            except OSError as exc:
+                raise ConfigError(f"DeepSpeed config {path}: cannot be read ({exc.strerror or exc})") from None
         else:
             try:
                 text = base64.urlsafe_b64decode(path).decode("utf-8")
@@ -259,6 +263,45 @@ def strip_section(config: Union[Mapping[str, Any], str, "os.PathLike[str]"]) -> 
     _refuse_lookalikes(data)
     section = parse_section(data.pop(SECTION, None))
     return data, section
+
+
+def unsupported(data: Mapping[str, Any]) -> List[str]:
+    """What in a DeepSpeed config pitstop cannot keep bitwise across a replacement, one
+    sentence each naming the key and its value (empty: everything is supported).
+
+    ``pitstop.integrations.deepspeed.initialize`` and ``pitstop launch`` refuse a config
+    that has any, before a process starts."""
+    out: List[str] = []
+    zero = data.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping):
+        return [f"zero_optimization={zero!r}: expected an object"]
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2):
+        out.append(f"zero_optimization.stage={stage!r}: pitstop supports ZeRO stages 0, 1 and 2 (ZeRO-3's "
+                   "partitioned parameters are not handed over yet)")
+    for k in ("offload_optimizer", "offload_param"):
+        dev = (zero.get(k) or {}).get("device", "none") if isinstance(zero.get(k) or {}, Mapping) else zero.get(k)
+        if dev not in (None, "none"):
+            out.append(f"zero_optimization.{k}.device={dev!r}: offload is not supported (the state a joiner "
+                       "needs would live in CPU or NVMe buffers pitstop does not hand over)")
+    for k in ("fp16", "bf16"):
+        sect = data.get(k) or {}
+        if isinstance(sect, Mapping) and sect.get("enabled"):
+            out.append(f"{k}.enabled=true: pitstop's DeepSpeed integration runs fp32 only for now "
+                       "(the loss scaler and low-precision master state are not carried over)")
+    if data.get("pipeline"):
+        out.append("pipeline: DeepSpeed's pipeline engine is not supported (use Megatron-Core's pipeline)")
+    sp = data.get("sequence_parallel_size", 1)
+    if sp not in (None, 1):
+        out.append(f"sequence_parallel_size={sp!r}: DeepSpeed-Ulysses sequence parallelism is not supported")
+    return out
+
+
+def refuse_unsupported(data: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` listing everything :func:`unsupported` finds."""
+    bad = unsupported(data)
+    if bad:
+        raise ConfigError("DeepSpeed config uses what pitstop does not support: " + "; ".join(bad))
 
 
 def _refuse_lookalikes(data: Mapping[str, Any]) -> None:

@@ -19,6 +19,49 @@ from typing import List, Optional
 from pitstop.errors import PitstopError
 
 
+def _seconds(text: str) -> float:
+    """A finite number of seconds > 0 (argparse turns the error into a usage line, exit 2)."""
+    return _number(text, positive=True)
+
+
+def _seconds0(text: str) -> float:
+    return _number(text, positive=False)
+
+
+def _number(text: str, positive: bool) -> float:
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds") from None
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds {'> 0' if positive else '>= 0'}")
+    return v
+
+
+def _count(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {lo}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {lo}")
+        return v
+    return parse
+
+
+def _endpoint(text: str) -> str:
+    from pitstop.store import parse_endpoint
+
+    try:
+        parse_endpoint(text)
+    except PitstopError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pitstop", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -29,47 +72,47 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--run-dir", default="runs/demo", help="logs and events go here (default runs/demo)")
 
     la = sub.add_parser("launch", help="run a training script with a controller, standbys and heartbeats")
-    la.add_argument("--nproc-per-node", type=int, required=True, help="workers on this machine")
-    la.add_argument("--nnodes", type=int, default=1, help="machines (one agent each); 1 is what runs today")
-    la.add_argument("--standby", type=int, default=None, help="warm standby processes (default 0, or the "
+    la.add_argument("--nproc-per-node", type=_count(1), required=True, help="workers on this machine")
+    la.add_argument("--nnodes", type=_count(1), default=1, help="machines (one agent each); 1 is what runs today")
+    la.add_argument("--standby", type=_count(0), default=None, help="warm standby processes (default 0, or the "
                     "DeepSpeed config's pitstop.standby)")
-    la.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                    help="where the control store listens (default 127.0.0.1 and a free port)")
+    la.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", type=_endpoint,
+                    help="where the control store listens: that one interface (default 127.0.0.1 and a free port)")
     la.add_argument("--run-dir", default="runs/latest", help="logs, events.jsonl, roster.json (default runs/latest)")
-    la.add_argument("--heartbeat-interval", type=float, default=None, metavar="S", help="default 0.5")
-    la.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S", help="default 5.0")
-    la.add_argument("--collective-timeout", type=float, default=None, metavar="S", help="default 120.0")
+    la.add_argument("--heartbeat-interval", type=_seconds, default=None, metavar="S", help="default 0.5")
+    la.add_argument("--heartbeat-timeout", type=_seconds, default=None, metavar="S", help="default 5.0")
+    la.add_argument("--collective-timeout", type=_seconds, default=None, metavar="S", help="default 120.0")
     la.add_argument("--no-buddy", action="store_const", const=True, default=None,
                     help="no CPU buddy copy of optimizer shards")
     la.add_argument("--no-warmup", action="store_const", const=True, default=None,
                     help="no record of iteration 1 and no sandboxed warmup: standbys join cold")
-    la.add_argument("--hold-for-warm", type=float, default=None, metavar="S",
+    la.add_argument("--hold-for-warm", type=_seconds0, default=None, metavar="S",
                     help="after step 1, hold training up to S seconds until every standby is warm (default 0: don't)")
-    la.add_argument("--save-interval", type=int, default=0, metavar="K",
+    la.add_argument("--save-interval", type=_count(0), default=0, metavar="K",
                     help="dist_checkpointing save every K steps: the fallback when no standby is left (0: off)")
     la.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
 
     dr = sub.add_parser("drain", help="move a rank (or every rank of a host) to a standby, training on")
     dr.add_argument("--run-dir", required=True)
     who = dr.add_mutually_exclusive_group(required=True)
-    who.add_argument("--rank", type=int)
+    who.add_argument("--rank", type=_count(0))
     who.add_argument("--host")
 
     st = sub.add_parser("status", help="print the roster and the last events of a run")
     st.add_argument("--run-dir", required=True)
-    st.add_argument("--last", type=int, default=10)
+    st.add_argument("--last", type=_count(0), default=10)
 
     em = sub.add_parser("emulate", help="run a job of N ranks with a few real processes; the rest are virtual")
-    em.add_argument("--world-size", type=int, required=True, metavar="N")
-    em.add_argument("--tp", type=int, default=1)
-    em.add_argument("--pp", type=int, default=1)
-    em.add_argument("--cp", type=int, default=1)
-    em.add_argument("--ep", type=int, default=1)
+    em.add_argument("--world-size", type=_count(1), required=True, metavar="N")
+    em.add_argument("--tp", type=_count(1), default=1)
+    em.add_argument("--pp", type=_count(1), default=1)
+    em.add_argument("--cp", type=_count(1), default=1)
+    em.add_argument("--ep", type=_count(1), default=1)
     em.add_argument("--real-ranks", required=True, metavar="R,R,...", help="ranks that run for real, e.g. 0,8191")
     em.add_argument("--topology", default="cpu-gloo-loopback",
                     help="a topology JSON/TOML file, or a shipped name: cpu-gloo-loopback (default), h200-nvlink-ib")
     em.add_argument("--out", default="runs/emulate", help="report.json, trace.json, logs (default runs/emulate)")
-    em.add_argument("--timeout", type=float, default=900.0, metavar="S", help="per phase")
+    em.add_argument("--timeout", type=_seconds, default=900.0, metavar="S", help="per phase")
     em.add_argument("--trace-all", action="store_true",
                     help="trace every rank for real (a small world only): the trace is of a real run")
     em.add_argument("--fit-network", action="store_true",
@@ -85,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-timing", action="store_true", help="skip the multi-process timing; print only the plan rows")
     r = bsub.add_parser("recovery", help="checkpoint restart vs pitstop replacement vs drain, one run, same job")
     r.add_argument("--json", action="store_true")
-    r.add_argument("--steps", type=int, default=8)
+    r.add_argument("--steps", type=_count(2), default=8)
     r.add_argument("--run-dir", default=None, help="default runs/bench-recovery[-deepspeed]")
     r.add_argument("--framework", choices=("megatron", "deepspeed"), default="megatron",
                    help="megatron: world-8 GPT vs dist_checkpointing restart; deepspeed: world-4 ZeRO-2 engine "
@@ -97,16 +140,21 @@ def _parser() -> argparse.ArgumentParser:
                     help="tp2pp2: world 8, 4 roles; pp3: world 6 with a middle stage and warmed general standbys")
     w = bsub.add_parser("warmup", help="a joiner's first iteration, cold vs after the sandboxed warmup, eager and --compile")
     w.add_argument("--json", action="store_true")
-    w.add_argument("--steps", type=int, default=20,
+    w.add_argument("--steps", type=_count(4), default=20,
                    help="steps per job (the kill is at step 3; the rest give the joiner's steady iteration)")
     w.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager,compiled")
     w.add_argument("--run-dir", default="runs/bench-warmup")
     e = bsub.add_parser("emulation", help="emulation fidelity (TP2/PP2/DP2 at world 2 vs real runs) and scale (world 8192)")
     e.add_argument("--json", action="store_true")
-    e.add_argument("--steps", type=int, default=10, help="steps per run (the first is left out of the medians)")
+    e.add_argument("--steps", type=_count(2), default=10, help="steps per run (the first is left out of the medians)")
     e.add_argument("--configs", default="tp2,pp2,dp2", help="comma-separated subset of tp2,pp2,dp2 (empty: none)")
     e.add_argument("--no-scale", action="store_true", help="skip the world-8192 row")
     e.add_argument("--run-dir", default="runs/bench-emulation")
+    c = bsub.add_parser("control", help="junk on every control key while a job loses a rank: refused, job bitwise")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--steps", type=_count(6), default=10)
+    c.add_argument("--fuzz-seconds", type=_seconds, default=60.0, metavar="S")
+    c.add_argument("--run-dir", default="runs/bench-control")
     return p
 
 
@@ -123,10 +171,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"follow it with: pitstop status --run-dir {args.run_dir}")
             return 0
         if args.cmd == "status":
+            from pathlib import Path
+
             from pitstop.launch.events import status_table
 
+            if not Path(args.run_dir).is_dir():
+                raise PitstopError(f"--run-dir {args.run_dir!r}: no such run directory (give the one `pitstop launch --run-dir` used)")
             print(status_table(args.run_dir, args.last))
             return 0
+        if args.cmd == "bench" and args.bench == "control":
+            from pitstop.launch.bench_control import bench_control
+
+            out = bench_control(run_dir=args.run_dir, steps=args.steps, fuzz_s=args.fuzz_seconds)
+            print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+            return 0 if out["fuzz"]["job_ok"] else 1
         if args.cmd == "bench" and args.bench == "recovery":
             from pitstop.launch.bench_recovery import bench_recovery, bench_recovery_deepspeed
 
@@ -240,9 +298,11 @@ def _deepspeed_section(script_args: List[str]):
         name, _, value = a.partition("=")
         if name in _DS_CONFIG_FLAGS:
             value = value or (script_args[i + 1] if i + 1 < len(script_args) else "")
-            from pitstop.integrations.deepspeed_config import strip_section
+            from pitstop.integrations.deepspeed_config import refuse_unsupported, strip_section
 
-            return strip_section(value)[1]  # ConfigError names the key, before anything starts
+            data, section = strip_section(value)  # ConfigError names the key, before anything starts
+            refuse_unsupported(data)
+            return section
     return None
 
 

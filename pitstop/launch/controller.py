@@ -18,9 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,15 +26,16 @@ from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
+from pitstop import protocol
 from pitstop.errors import PitstopError
 from pitstop.launch.agent import Agent, Proc
-from pitstop.launch.events import CONTROLLER, ROSTER, EventLog
+from pitstop.launch.events import CONTROLLER, ROSTER, EventLog, write_private
 from pitstop.launch.local import worker_env
-from pitstop.launch.jobtoken import ENV_TOKEN, new_token, verify
+from pitstop.protocol import ENV_TOKEN, Channel, Refused, new_token
 from pitstop.roster import ProcessInfo, Roster
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig
-from pitstop.runtime.worker import ENV_CONTROLLER, ENV_EPOCH, ENV_GENERATION, ENV_RESUME, ENV_STANDBY
+from pitstop.runtime.worker import ENV_CONTROLLER, ENV_EPOCH, ENV_GENERATION, ENV_RESUME, ENV_SLOT, ENV_STANDBY
 from pitstop.store import host_store, parse_endpoint
 
 log = logging.getLogger("pitstop.controller")
@@ -98,6 +97,12 @@ class Controller:
         self.host, self.port = host, self.store.port
         self.token = new_token()
         self.events = EventLog(self.run_dir)
+        self.ch = Channel(self.store, self.token, self._refused)
+        self.next_slot = 1
+        self.expected: Dict[int, Dict[str, Any]] = {}  # slot -> what the agent started there, until it says hello
+        self.apply_next = 1
+        self.applicants: Dict[int, float] = {}        # unsolicited applicant -> when it was seen
+        self.committed: Optional[tuple] = None        # (generation, step, time) of the last verified commit
         self.agent = Agent(self.run_dir)
         self.members: Dict[int, Member] = {}          # by slot
         self.by_pid: Dict[int, Proc] = {}
@@ -120,7 +125,13 @@ class Controller:
         self.warm_seen: set = set()                   # standby slots whose warmup report was logged
         self._warm_check = 0.0
         self.warm_all = False
-        (self.run_dir / CONTROLLER).write_text(json.dumps({"host": self.host, "port": self.port, "pid": os.getpid()}))
+        # mode 0600: it holds the job token, which `pitstop drain` needs to sign its request
+        write_private(self.run_dir / CONTROLLER, json.dumps({"host": self.host, "port": self.port, "pid": os.getpid(),
+                                                             "token": self.token}))
+
+    def _refused(self, key: str, reason: str) -> None:
+        log.warning("refused %s: %s", key, reason)
+        self.events.write("refused", key=key, reason=reason)
 
     # ------------------------------------------------------------------ processes
     def _env(self, rank: int, extra: Dict[str, str]) -> Dict[str, str]:
@@ -135,18 +146,26 @@ class Controller:
         env.update(extra)
         return env
 
+    def _new_slot(self) -> int:
+        self.next_slot += 1
+        return self.next_slot - 1
+
     def _start_worker(self, rank: int, extra: Optional[Dict[str, str]] = None) -> Proc:
         name = f"w{rank}" + (f"-e{self.epoch}" if self.epoch else "")
-        p = self.agent.start(name, self.spec.argv, self._env(rank, extra or {}))
+        slot = self._new_slot()
+        p = self.agent.start(name, self.spec.argv, self._env(rank, {**(extra or {}), ENV_SLOT: str(slot)}))
         self.by_pid[p.pid] = p
+        self.expected[slot] = {"proc": p, "standby": False, "rank": rank}
         return p
 
     def _start_standby(self) -> Proc:
         self.sb_count += 1
-        env = self._env(0, {ENV_STANDBY: "1", "RANK": "-1"})
+        slot = self._new_slot()
+        env = self._env(0, {ENV_STANDBY: "1", "RANK": "-1", ENV_SLOT: str(slot)})
         env.pop("PITSTOP_FAULT", None)
         p = self.agent.start(f"sb{self.sb_count}", self.spec.argv, env)
         self.by_pid[p.pid] = p
+        self.expected[slot] = {"proc": p, "standby": True, "rank": None}
         return p
 
     # ------------------------------------------------------------------ main loop
@@ -158,7 +177,12 @@ class Controller:
         for _ in range(self.spec.standby):
             self._start_standby()
         try:
+            last_reassert = 0.0
             while self.exit_code is None:
+                if time.monotonic() - last_reassert > 0.25:  # junk over the controller's own messages
+                    self.ch.reassert()
+                    last_reassert = time.monotonic()
+                self._read_committed()
                 self._admit()
                 for p in self.agent.poll():
                     self._on_exit(p)
@@ -168,40 +192,37 @@ class Controller:
                 self._watch_warmup()
                 time.sleep(0.01)
         finally:
-            self.store.set(keys.DONE, "1")
+            self.ch.put(keys.DONE, {"set": True})
             time.sleep(0.2)
             self.agent.close()
         return self.exit_code
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> None:
-        n = self.store.add(keys.JOIN_COUNT, 0)
-        while self.next_join <= n:
-            i = self.next_join
-            if not self.store.check([keys.join(i, "hello")]):
-                return
-            if not self.store.check([keys.join(i, "nonce")]):
-                self.store.set(keys.join(i, "nonce"), secrets.token_bytes(32))
-            if not self.store.check([keys.join(i, "mac")]):
-                return
-            hello = json.loads(self.store.get(keys.join(i, "hello")))
-            ok = verify(self.token, self.store.get(keys.join(i, "nonce")), str(i), self.store.get(keys.join(i, "mac")).decode())
-            proc = self.by_pid.get(hello["pid"]) if hello.get("host") == socket.gethostname() else None
-            self.next_join += 1
-            if not ok:
-                self.store.set(keys.join(i, "verdict"), "refused: the job token does not match")
-                self.events.write("refused", slot=i, pid=hello["pid"], host=hello["host"], reason="bad job token")
+        """Admit every process the agent started whose sealed hello arrived; refuse applicants.
+
+        Slots are independent: one that never says hello blocks nobody. A hello that does
+        not verify is refused (logged) and the slot keeps waiting for a good one, which the
+        real process re-sends every second."""
+        for slot, exp in list(self.expected.items()):
+            hello = self.ch.read(keys.join(slot, "hello"), protocol.HELLO)
+            if hello is None:
                 continue
-            self.store.set(keys.join(i, "verdict"), "ok")
-            m = Member(i, proc, ProcessInfo(hello["host"], hello["pid"]), hello["standby"])
-            self.members[i] = m
+            if hello["standby"] != exp["standby"] or (not exp["standby"] and hello["rank"] != exp["rank"]):
+                self.ch.refuse(keys.join(slot, "hello"), f"claims standby={hello['standby']} rank={hello['rank']}, "
+                                                         f"but was started as standby={exp['standby']} rank={exp['rank']}")
+                continue
+            del self.expected[slot]
+            self.ch.put(keys.join(slot, "verdict"), {"ok": True, "slot": slot})
+            m = Member(slot, exp["proc"], ProcessInfo(hello["host"], exp["proc"].pid), exp["standby"])
+            self.members[slot] = m
             if m.standby:
-                self.pool.append(i)
+                self.pool.append(slot)
                 if self.roster is not None:
                     self.roster = Roster(self.roster.generation, self.roster.roles, self.roster.standbys + (m.info,))
                     self._write_roster()
             else:
-                self.role_slots[hello["rank"]] = i
+                self.role_slots[exp["rank"]] = slot
                 if len(self.role_slots) == self.spec.world_size and self.roster is None:
                     self.roster = Roster(
                         self.generation,
@@ -211,10 +232,49 @@ class Controller:
                     self._write_roster()
                     self.events.write("roster", generation=self.generation, roles=self.spec.world_size,
                                       standbys=len(self.pool))
+        self._applicants()
+
+    def _applicants(self) -> None:
+        """Processes the agent did not start apply under ``ctl/apply/<n>``; each is refused with a reason.
+
+        The counter is public (a process without the token must be able to hear why it is
+        refused), so it is read, never incremented, here: junk in it is refused and reset."""
+        now = time.monotonic()
+        if self.store.check([keys.APPLY_COUNT]):
+            raw = self.store.get(keys.APPLY_COUNT)
+            try:
+                n = int(raw)
+                if not 0 <= n < 2 ** 31:
+                    raise ValueError(n)
+            except ValueError:
+                self.ch.refuse(keys.APPLY_COUNT, f"not a counter: {raw[:40]!r}", raw)
+                self.store.set(keys.APPLY_COUNT, str(self.apply_next - 1))
+                n = self.apply_next - 1
+            for i in range(self.apply_next, min(n, self.apply_next + 64) + 1):  # at most 64 new a round
+                self.applicants[i] = now
+                self.apply_next = i + 1
+        for i, seen in list(self.applicants.items()):
+            hk, vk = keys.apply(i, "hello"), keys.apply(i, "verdict")
+            if not self.store.check([hk]):
+                if now - seen > 30:
+                    del self.applicants[i]
+                    self.ch.refuse(hk, "no hello within 30s of taking the slot")
+                continue
+            del self.applicants[i]
+            raw = self.store.get(hk)
+            try:
+                hello = protocol.open_(self.token, hk, raw, protocol.HELLO)
+            except Refused as exc:
+                self.ch.refuse(hk, exc.reason, raw)
+                self.store.set(vk, f"refused: {exc.reason}"[:500])  # plain text: it cannot check a MAC anyway
+                continue
+            reason = "pitstop admits only the processes its agents start (use --standby N)"
+            self.events.write("refused", key=hk, reason=reason, pid=hello["pid"], host=hello["host"])
+            self.ch.put(vk, {"ok": False, "reason": reason})
 
     def _write_roster(self) -> None:
         text = self.roster.to_json()
-        self.store.set(keys.ROSTER, text)
+        self.ch.put(keys.ROSTER, json.loads(text))
         tmp = self.run_dir / (ROSTER + ".tmp")
         tmp.write_text(text)
         tmp.replace(self.run_dir / ROSTER)
@@ -233,6 +293,15 @@ class Controller:
 
     # ------------------------------------------------------------------ exits and hangs
     def _on_exit(self, p: Proc) -> None:
+        for s, exp in list(self.expected.items()):  # died before its hello was admitted
+            if exp["proc"] is p and exp["standby"]:
+                del self.expected[s]
+                self.events.write("standby-lost", slot=s, pid=p.pid, exit=p.exit, log=self.agent.log_paths(p)["stderr"])
+                if self.exit_code is None:
+                    self._start_standby()
+                return
+            if exp["proc"] is p:
+                del self.expected[s]
         slot = self._slot_of_pid(p.pid)
         role = self._role_of_slot(slot) if slot is not None else None
         if slot is not None and slot in self.pool:
@@ -275,8 +344,11 @@ class Controller:
         for m in list(self.members.values()):
             if m.proc is None or not m.proc.running:
                 continue
-            beats = self.store.add(keys.heartbeat(m.slot), 0)
-            if beats != m.beats:
+            hb = self.ch.read(keys.heartbeat(m.slot), protocol.HEARTBEAT)
+            beats = m.beats if hb is None else hb["n"]
+            if beats < m.beats:
+                self.ch.refuse(keys.heartbeat(m.slot), f"replayed: beat {beats} after beat {m.beats}")
+            elif beats > m.beats:
                 m.beats, m.last_beat = beats, now
             elif now - m.last_beat > self.cfg.heartbeat_timeout_s:
                 self.events.write("hung", slot=m.slot, pid=m.proc.pid, silent_s=round(now - m.last_beat, 2),
@@ -288,9 +360,11 @@ class Controller:
     def _failure(self, role: int, p: Proc, reason: str) -> None:
         t_detect = time.time()
         g = self.roster.generation
-        fired = float(self.store.get(keys.FAULT_FIRED)) if self.store.check([keys.FAULT_FIRED]) else None
+        stamp = self.ch.read(keys.FAULT_FIRED, protocol.STAMP)
+        fired = None if stamp is None else float(stamp["time"])
         self.store.delete_key(keys.FAULT_FIRED)
-        if not self.store.check([keys.COMMITTED]):
+        self._read_committed()
+        if self.committed is None:
             # lost before the first step committed: the others may be stuck in a world
             # operation of their set-up, and there is no state to keep. Start over.
             self.events.write("failure", role=role, reason=reason, step=0, generation=g)
@@ -303,8 +377,8 @@ class Controller:
         slot = self._pick_standby()
         joiner = self.members[slot]
         fault = {"role": role, "generation": g + 1, "step": step, "joiner": joiner.info.describe()}
-        self.store.set(keys.fault(g), json.dumps(fault))
-        self.store.set(keys.assign(slot), json.dumps({"role": role, "generation": g + 1, "mode": "recover", "step": step}))
+        self.ch.put(keys.fault(g), fault)
+        self.ch.put(keys.assign(slot), {"role": role, "generation": g + 1, "mode": "recover", "step": step})
         t_plan = time.time()
         old = self.roster.roles[role]
         self.roster = self.roster.replace(role, joiner.info)
@@ -323,16 +397,26 @@ class Controller:
         step = self._last_committed() + 1
         marker = json.dumps({"fault": fault})
         while True:
-            got = self.store.compare_set(keys.verdict(g, step), "", marker).decode()
+            got = self.ch.vote(keys.verdict(g, step), marker)
             if got in ("ok", "switch"):
                 step += 1
                 continue
             return step
 
+    def _read_committed(self) -> None:
+        """Follow the last committed step. A value that does not verify, or goes backwards, is
+        refused and the last good one kept (the workers write it again at the next commit)."""
+        c = self.ch.read(keys.COMMITTED, protocol.COMMITTED)
+        if c is None:
+            return
+        now = (c["generation"], c["step"], float(c["time"]))
+        if self.committed is not None and now[:2] < self.committed[:2]:
+            self.ch.refuse(keys.COMMITTED, f"replayed: g{now[0]} step {now[1]} after g{self.committed[0]} step {self.committed[1]}")
+            return
+        self.committed = now
+
     def _last_committed(self) -> int:
-        if not self.store.check([keys.COMMITTED]):
-            return 0
-        return int(self.store.get(keys.COMMITTED).decode().split(":")[1])
+        return 0 if self.committed is None else self.committed[1]
 
     def _fallback(self, role: int, reason: str, step: int, t_detect: float, fired: Optional[float]) -> None:
         from pitstop.runtime import checkpoint
@@ -347,7 +431,7 @@ class Controller:
             self.exit_code = 1
             return
         self.events.write("fallback", mode="checkpoint-restart", resume_step=resume, reason="no standby left")
-        self.store.set(keys.fault(g), json.dumps({"fallback": True, "resume_step": resume}))
+        self.ch.put(keys.fault(g), {"fallback": True, "resume_step": resume})
         self._restart_all(resume, role, reason, t_detect, fired)
 
     def _restart_all(self, resume: Optional[int], role: int, reason: str, t_detect: float, fired: Optional[float]) -> None:
@@ -370,6 +454,7 @@ class Controller:
         self.generation = g + 1
         self.roster = None
         self.store.delete_key(keys.COMMITTED)
+        self.committed = None
         for r in range(self.spec.world_size):
             self._start_worker(r, {ENV_RESUME: str(resume), "PITSTOP_FAULT": ""} if resume is not None else {"PITSTOP_FAULT": ""})
         self.pending.append({"kind": "restart", "generation": g + 1, "step": (resume or 0) + 1, "fired": fired,
@@ -377,10 +462,12 @@ class Controller:
 
     # ------------------------------------------------------------------ planned
     def _check_drain_requests(self) -> None:
-        n = self.store.add(keys.DRAIN_REQUEST, 0)
+        n = self.ch.add(keys.DRAIN_REQUEST, 0)
         while self.drain_seen < n:
             self.drain_seen += 1
-            req = json.loads(self.store.get(keys.drain_payload(self.drain_seen)))
+            req = self.ch.read(keys.drain_payload(self.drain_seen), protocol.DRAIN_REQUEST)
+            if req is None:  # refused (logged) or never written
+                continue
             roles = self._roles_for(req)
             self.events.write("drain-request", request=req, roles=roles)
             self.drain_queue.extend(roles)
@@ -391,7 +478,7 @@ class Controller:
 
     def _roles_for(self, req: Dict[str, Any]) -> List[int]:
         if req.get("rank") is not None:
-            r = int(req["rank"])
+            r = req["rank"]
             if not 0 <= r < self.spec.world_size:
                 self.events.write("drain-refused", reason=f"rank {r} does not exist (world {self.spec.world_size})")
                 return []
@@ -413,8 +500,8 @@ class Controller:
         g = self.roster.generation
         slot = self._pick_standby()
         joiner = self.members[slot]
-        self.store.set(keys.drain(g), json.dumps({"role": role, "generation": g + 1, "joiner": joiner.info.describe()}))
-        self.store.set(keys.assign(slot), json.dumps({"role": role, "generation": g + 1, "mode": "drain", "from_generation": g}))
+        self.ch.put(keys.drain(g), {"role": role, "generation": g + 1, "joiner": joiner.info.describe()})
+        self.ch.put(keys.assign(slot), {"role": role, "generation": g + 1, "mode": "drain", "from_generation": g})
         leaver_slot = self.role_slots[role]
         self.draining = {"role": role, "gen": g, "slot": slot, "leaver": leaver_slot, "t0": time.time(),
                          "old": self.roster.roles[role].describe(), "new": joiner.info.describe(), "warm": self._warm(slot)}
@@ -424,11 +511,12 @@ class Controller:
     def _drain_progress(self) -> None:
         d = self.draining
         g = d["gen"]
-        if "ready" not in d and self.store.check([keys.drain_ready(g)]):
+        if "ready" not in d and self.ch.read(keys.drain_ready(g), protocol.FLAG) is not None:
             d["ready"] = time.time()
             self.events.write("drain-ready", role=d["role"], prepare_s=round(d["ready"] - d["t0"], 4))
-        if self.store.check([keys.drain_switch(g)]):
-            step_s, t_switch = self.store.get(keys.drain_switch(g)).decode().split(":")
+        sw = self.ch.read(keys.drain_switch(g), protocol.DRAIN_SWITCH)
+        if sw is not None:
+            step_s, t_switch = sw["step"], sw["time"]
             leaver = self.members[d["leaver"]]
             if leaver.proc is not None:
                 self.leavers.add(leaver.proc.pid)
@@ -444,8 +532,8 @@ class Controller:
     # ------------------------------------------------------------------ warmup
     def _warm(self, slot: int) -> bool:
         """Did this standby finish its sandboxed warmup of every stage kind?"""
-        k = keys.warm(slot)
-        return self.store.check([k]) and bool(json.loads(self.store.get(k)).get("ok"))
+        rep = self.ch.read(keys.warm(slot), protocol.WARM)
+        return rep is not None and rep["ok"]
 
     def _pick_standby(self) -> int:
         """Take a warmed standby if there is one, else the longest-waiting one."""
@@ -460,27 +548,31 @@ class Controller:
             return
         self._warm_check = now
         for cls in ("only", "first", "middle", "last"):
-            if cls not in self.recorded and self.store.check([keys.record(cls)]):
-                self.recorded.add(cls)
-                self.events.write("recorded", **json.loads(self.store.get(keys.record(cls))))
+            if cls not in self.recorded:
+                rec = self.ch.read(keys.record(cls), protocol.RECORD)
+                if rec is not None:
+                    self.recorded.add(cls)
+                    self.events.write("recorded", **rec)
         for slot in list(self.members):
-            if slot not in self.warm_seen and self.store.check([keys.warm(slot)]):
+            if slot not in self.warm_seen:
+                rep = self.ch.read(keys.warm(slot), protocol.WARM)
+                if rep is None:
+                    continue
                 self.warm_seen.add(slot)
-                rep = json.loads(self.store.get(keys.warm(slot)))
                 self.events.write("warmed", slot=slot, pid=rep["pid"], ok=rep["ok"], stopped=rep["stopped"],
                                   rss_bytes=rep["rss_bytes"],
-                                  classes=[{k: r[k] for k in ("cls", "role", "ok", "seconds", "ops", "error", "out")}
-                                           for r in rep["results"]])
+                                  classes=[{k: r.get(k) for k in ("cls", "role", "ok", "seconds", "ops", "error", "out")}
+                                           for r in rep["results"] if isinstance(r, dict)])
         if (not self.warm_all and len(self.pool) >= self.spec.standby
                 and all(s in self.warm_seen for s in self.pool)):
             self.warm_all = True
-            self.store.set(keys.WARM_ALL, "1")
+            self.ch.put(keys.WARM_ALL, {"set": True})
 
     # ------------------------------------------------------------------ completing events
     def _progress(self) -> None:
-        if not self.pending or not self.store.check([keys.COMMITTED]):
+        if not self.pending or self.committed is None:
             return
-        gen, step, t = self.store.get(keys.COMMITTED).decode().split(":")
+        gen, step, t = self.committed
         for ch in list(self.pending):
             if int(gen) >= ch["generation"] and int(step) >= ch["step"]:
                 self.pending.remove(ch)
@@ -490,19 +582,16 @@ class Controller:
         """Write the change's event; ``t_commit`` is None when the job ended before a step after it."""
         g = ch["generation"]
         timings = {}
-        for r in range(self.spec.world_size):
-            k = keys.timing(g, f"r{r}")
-            if self.store.check([k]):
-                timings[f"r{r}"] = json.loads(self.store.get(k))
-        for who in ("joiner", "leaver"):
-            if self.store.check([keys.timing(g, who)]):
-                timings[who] = json.loads(self.store.get(keys.timing(g, who)))
+        for who in [f"r{r}" for r in range(self.spec.world_size)] + ["joiner", "leaver"]:
+            t = self.ch.read(keys.timing(g, who), protocol.TIMING)
+            if t is not None:
+                timings[who] = t
         stayers = [v for k, v in timings.items() if k.startswith("r")]
         iters = {}
         for r in range(self.spec.world_size):
-            k = keys.timing(g, f"it{r}")
-            if self.store.check([k]):
-                iters[r] = json.loads(self.store.get(k))
+            t = self.ch.read(keys.timing(g, f"it{r}"), protocol.TIMING)
+            if t is not None:
+                iters[r] = t
         ready = max([v.get("ready", 0) for v in timings.values()] or [t_commit or 0.0])
         after = (lambda t0: None if t_commit is None else round(t_commit - t0, 4))
         ev: Dict[str, Any] = {"role": ch.get("role"), "generation": g, "step": ch["step"],
@@ -545,21 +634,29 @@ class Controller:
 
 
 def request_drain(run_dir: Path, rank: Optional[int] = None, host: Optional[str] = None) -> int:
-    """Ask the controller of ``run_dir`` to drain a rank or every rank on a host; returns the request number."""
+    """Ask the controller of ``run_dir`` to drain a rank or every rank on a host; returns the request number.
+
+    The request is sealed with the job token from ``controller.json`` (mode 0600): only
+    the job's owner can drain it."""
     info_path = Path(run_dir) / CONTROLLER
-    if not info_path.exists():
+    if not info_path.is_file():
         raise PitstopError(f"no controller found: {info_path} does not exist (is the job running with --run-dir {run_dir}?)")
-    info = json.loads(info_path.read_text())
+    try:
+        info = json.loads(info_path.read_text())
+        addr, port, token = str(info["host"]), int(info["port"]), str(info["token"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PitstopError(f"{info_path}: expected the controller's JSON with host, port and token ({exc})") from None
     from datetime import timedelta
 
     try:
-        store = dist.TCPStore(info["host"], info["port"], is_master=False, timeout=timedelta(seconds=10))
+        store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10))
     except Exception as exc:  # noqa: BLE001 - DistNetworkError and friends
         raise PitstopError(
-            f"the controller of {run_dir} at {info['host']}:{info['port']} does not answer "
+            f"the controller of {run_dir} at {addr}:{port} does not answer "
             f"(has the job ended?): {str(exc).splitlines()[0]}"
         ) from None
-    n = store.add(keys.DRAIN_REQUEST + "/n", 1)
-    store.set(keys.drain_payload(n), json.dumps({"rank": rank, "host": host}))
-    store.add(keys.DRAIN_REQUEST, 1)
+    ch = Channel(store, token)
+    n = ch.add(keys.DRAIN_REQUEST + "/n", 1)
+    ch.put(keys.drain_payload(n), {"rank": rank, "host": host})
+    ch.add(keys.DRAIN_REQUEST, 1)
     return n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -12,6 +13,20 @@ from pitstop.roster import Roster
 EVENTS = "events.jsonl"
 ROSTER = "roster.json"
 CONTROLLER = "controller.json"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (mode 0600), atomically:
+    the file never exists with wider permissions, not even for a moment."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an older tmp file may have had other bits
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 class EventLog:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch.distributed as dist
 
 from pitstop.emulation.record import Record, ReplayOracle
+from pitstop.errors import RecordMismatchError
 from pitstop.emulation.virtual import VIRTUAL_BACKEND, register, serving
 
 log = logging.getLogger("pitstop.sandbox")
@@ -127,37 +128,53 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def warm_up(store: dist.Store, slot: int, fn: WarmupFn, *, interrupted: Callable[[], bool], timeout_s: float = 600.0) -> List[WarmupResult]:
+def record_path(meta: Dict[str, Any]) -> Path:
+    """Where a published record lies; refused unless it is ``<run-dir>/warmup/<class>.pt``
+    of this job (a path read from the store is never opened blindly)."""
+    run_dir = Path(os.environ.get("PITSTOP_RUN_DIR", ".")).resolve()
+    want = run_dir / "warmup" / f"{meta['cls']}.pt"
+    if Path(meta["path"]).resolve() != want:
+        raise RecordMismatchError(f"record of class {meta['cls']} at {meta['path']!r}: expected {want}")
+    return want
+
+
+def warm_up(ch, slot: int, fn: WarmupFn, *, interrupted: Callable[[], bool], timeout_s: float = 600.0) -> List[WarmupResult]:
     """A standby's warmup: one sandboxed iteration per role class, in the order the
     records name. Stops early when ``interrupted()`` (an assignment came, or the job
-    ended). Reports to the controller under ``ctl/warm/<slot>``."""
+    ended). Reports to the controller under ``ctl/warm/<slot>``. ``ch`` is the
+    authenticated control channel (:class:`pitstop.protocol.Channel`)."""
+    from pitstop import protocol
     from pitstop.runtime import keys
 
     results: List[WarmupResult] = []
     deadline = time.monotonic() + timeout_s
 
-    def await_key(k: str) -> str:
-        while not store.check([k]):
+    def await_msg(k: str, schema) -> Any:
+        while True:
+            body = ch.read(k, schema)
+            if body is not None:
+                return body
             if interrupted():
                 return "interrupted"
             if time.monotonic() > deadline:
                 return f"no {k} within {timeout_s:.0f}s"
             time.sleep(0.05)
-        return ""
 
-    stopped = await_key(keys.RECORD_CLASSES)
-    if stopped:
-        return _report(store, slot, results, stopped)
-    for cls in json.loads(store.get(keys.RECORD_CLASSES)):
+    classes = await_msg(keys.RECORD_CLASSES, protocol.CLASSES)
+    if isinstance(classes, str):
+        return _report(ch, slot, results, classes)
+    for cls in classes["classes"]:
+        if cls not in ("only", "first", "middle", "last"):
+            ch.refuse(keys.RECORD_CLASSES, f"unknown role class {cls!r}")
+            return _report(ch, slot, results, f"unknown role class {cls!r}")
         k = keys.record(cls)
-        stopped = await_key(k)
-        if stopped:
-            return _report(store, slot, results, stopped)
+        meta = await_msg(k, protocol.RECORD)
+        if isinstance(meta, str):
+            return _report(ch, slot, results, meta)
         if interrupted():
-            return _report(store, slot, results, "interrupted")
-        meta = json.loads(store.get(k))
+            return _report(ch, slot, results, "interrupted")
         try:
-            record = Record.load(Path(meta["path"]))
+            record = Record.load(record_path(meta))
         except Exception as exc:  # noqa: BLE001
             results.append(WarmupResult(cls, meta.get("role", -1), False, 0.0, error=f"{type(exc).__name__}: {exc}"))
             break
@@ -170,16 +187,17 @@ def warm_up(store: dist.Store, slot: int, fn: WarmupFn, *, interrupted: Callable
             log.warning("[standby %d] warmup as %s-stage rank %d refused, staying a cold standby: %s",
                         slot, cls, res.role, res.error)
             break
-    return _report(store, slot, results, "")
+    return _report(ch, slot, results, "")
 
 
-def _report(store: dist.Store, slot: int, results: List[WarmupResult], stopped: str) -> List[WarmupResult]:
+def _report(ch, slot: int, results: List[WarmupResult], stopped: str) -> List[WarmupResult]:
     from pitstop.runtime import keys
 
-    store.set(keys.warm(slot), json.dumps({
+    # through JSON once: the results' ``out`` may hold values JSON cannot carry as they are
+    ch.put(keys.warm(slot), json.loads(json.dumps({
         "pid": os.getpid(), "results": [asdict(r) for r in results], "stopped": stopped,
         "ok": bool(results) and all(r.ok for r in results) and not stopped, "rss_bytes": rss_bytes(),
-    }, default=str))
+    }, default=str)))
     return results
 
 
@@ -207,7 +225,9 @@ def maybe_start_recording(layout, rank: int) -> bool:
             or m.generation != 0 or _Recording.recorder is not None or active() is not None):
         return False
     cls = recorder_class(layout, rank)
-    if cls is None or m.store.check([keys.record(cls)]):
+    from pitstop import protocol
+
+    if cls is None or m.channel.read(keys.record(cls), protocol.RECORD) is not None:
         return False
     _Recording.recorder = Recorder(layout, rank, cls).start()
     return True
@@ -231,7 +251,7 @@ class paused:
         pgmod.TAP = self._tap
 
 
-def finish_recording(store: Optional[dist.Store], keep: bool, layout=None) -> Optional[Dict[str, Any]]:
+def finish_recording(ch, keep: bool, layout=None) -> Optional[Dict[str, Any]]:
     """Stop recording; with ``keep`` (the first step committed) write the record to
     ``<run-dir>/warmup/<class>.pt`` and publish it to standbys. Returns its metadata."""
     from pitstop.emulation.record import stage_classes
@@ -242,7 +262,7 @@ def finish_recording(store: Optional[dist.Store], keep: bool, layout=None) -> Op
         return None
     _Recording.recorder = None
     record = rec.stop()
-    if not keep or store is None:
+    if not keep or ch is None:
         log.info("warmup record of class %s dropped: the first step was discarded", record.cls)
         return None
     run_dir = Path(os.environ.get("PITSTOP_RUN_DIR", "."))
@@ -252,7 +272,7 @@ def finish_recording(store: Optional[dist.Store], keep: bool, layout=None) -> Op
             "value_bytes": record.nbytes, "ops": record.count,
             "record_s": round(time.perf_counter() - rec.started, 3)}
     if layout is not None:
-        store.set(keys.RECORD_CLASSES, json.dumps(stage_classes(layout)))
-    store.set(keys.record(record.cls), json.dumps(meta))
+        ch.put(keys.RECORD_CLASSES, {"classes": list(stage_classes(layout))})
+    ch.put(keys.record(record.cls), meta)
     log.info("[r%d] recorded %d operations of the %s stage (%d bytes) for standby warmup", record.role, record.count, record.cls, size)
     return meta

@@ -21,7 +21,6 @@ yields the same step again::
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pitstop import pg as pgmod
+from pitstop import protocol
 from pitstop.emulation import memory
 from pitstop.errors import PitstopError, RecoveryError
 from pitstop.plan import plan_replace
@@ -106,6 +106,11 @@ class Session:
     def store(self) -> dist.Store:
         return self.m.store
 
+    @property
+    def ch(self) -> protocol.Channel:
+        """The authenticated control channel (every message sealed and verified)."""
+        return self.m.channel
+
     def _shard_group(self):
         e = self.registry.entry(self.fw.shard_kind)
         return e.ranks, (e.gloo or e.group)
@@ -118,11 +123,9 @@ class Session:
     def _hold_for_warm(self) -> None:
         """Wait (bounded) until every standby has replayed the record this step produced."""
         t0 = time.perf_counter()
-        deadline = t0 + self.cfg.hold_for_warm_s
-        while not self.store.check([keys.WARM_ALL]) and time.perf_counter() < deadline:
-            time.sleep(0.05)
+        warm = self.ch.wait(keys.WARM_ALL, protocol.FLAG, timeout_s=self.cfg.hold_for_warm_s, period_s=0.05)
         self._info("held %.2fs for the standbys' warmup (%s)", time.perf_counter() - t0,
-                   "done" if self.store.check([keys.WARM_ALL]) else "timed out; going on")
+                   "done" if warm is not None else "timed out; going on")
 
     def _report_iteration(self, iter_s: float) -> None:
         """This rank's time for the first step of a generation, and its steady time before it."""
@@ -130,12 +133,12 @@ class Session:
 
         recent = self.iter_s[-8:]
         steady = statistics.median(recent) if recent else None
-        self.store.set(keys.timing(self.gen, f"it{self.rank}"), json.dumps({
+        self.ch.put(keys.timing(self.gen, f"it{self.rank}"), {
             "first_iter_s": round(iter_s, 4), "steady_iter_s": None if steady is None else round(steady, 4),
-            "joiner": self.m.joiner and self.steps_committed == 0}))
+            "joiner": self.m.joiner and self.steps_committed == 0})
 
     def _report(self, gen: int, who: str, **timings: float) -> None:
-        self.store.set(keys.timing(gen, who), json.dumps({k: round(v, 4) for k, v in timings.items()}))
+        self.ch.put(keys.timing(gen, who), {k: round(v, 4) for k, v in timings.items()})
 
     # ------------------------------------------------------------------ the loop
     def steps(self, last: int) -> Iterator[int]:
@@ -182,7 +185,7 @@ class Session:
         self.fence.armed = False
         verdict = self._vote(step, poisoned)
         if recording:  # the record of iteration 1 is complete (kept only if the step was)
-            sandbox.finish_recording(self.store, verdict in ("ok", "switch"), self.layout)
+            sandbox.finish_recording(self.ch, verdict in ("ok", "switch"), self.layout)
         if verdict in ("ok", "switch"):
             self._spare = [self.snap.data if self.snap else None, self.buddy.data if self.buddy else None]
             self.snap = pending
@@ -241,18 +244,23 @@ class Session:
             w.wait()
 
     def _vote(self, step: int, poisoned: bool) -> str:
-        st, vk = self.store, keys.verdict(self.gen, step)
+        """Every rank arrives (a private counter); the last one settles the verdict (a private
+        compare-and-set slot holding a sealed verdict), or a poisoned rank or the controller
+        settles it first. Neither name can be found, nor its value forged, without the token."""
+        ch, vk = self.ch, keys.verdict(self.gen, step)
         if poisoned:
             why = self.fence.errors[0] if self.fence.errors else f"groups marked broken: {sorted(self.fence.broken)}"
-            st.compare_set(vk, "", f"poisoned at r{self.rank}: {why}")
-        elif st.add(keys.arrive(self.gen, step), 1) == self.layout.world_size:
-            want = "switch" if st.check([keys.drain_ready(self.gen)]) else "ok"
-            if st.compare_set(vk, "", want).decode() == want:
-                st.set(keys.COMMITTED, f"{self.gen}:{step}:{time.time():.6f}")
+            ch.vote(vk, f"poisoned at r{self.rank}: {str(why)[:1500]}")
+        elif ch.add(keys.arrive(self.gen, step), 1) == self.layout.world_size:
+            want = "switch" if ch.read(keys.drain_ready(self.gen), protocol.FLAG) is not None else "ok"
+            if ch.vote(vk, want) == want:
+                now = time.time()
+                ch.put(keys.COMMITTED, {"generation": self.gen, "step": step, "time": now}, own=False)
                 if want == "switch":
-                    st.set(keys.drain_switch(self.gen), f"{step}:{time.time():.6f}")
-        st.wait([vk], timedelta(seconds=self.cfg.collective_timeout_s * 2))
-        return st.get(vk).decode()
+                    ch.put(keys.drain_switch(self.gen), {"step": step, "time": now})
+        self.store.wait([ch.private(vk)], timedelta(seconds=self.cfg.collective_timeout_s * 2))
+        got = ch.settled(vk)
+        return got if got is not None else "poisoned: the verdict does not verify"
 
     def _save(self, step: int) -> None:
         t0 = time.perf_counter()
@@ -260,14 +268,20 @@ class Session:
         self._info("checkpoint of step %d saved in %.2fs", step, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ watchers (heartbeat thread)
-    def _watch(self, st: dist.Store) -> None:
+    def _watch(self, ch: protocol.Channel) -> None:
         gen = self.gen
-        if self._aborted_gen < gen and st.check([keys.fault(gen)]):
-            info = json.loads(st.get(keys.fault(gen)))
-            if info.get("role") is not None:
+        if self._aborted_gen < gen:
+            info = self._fault_info(ch, gen)
+            if info is not None and info.get("role") is not None:
                 self._abandon_delta(gen, info["role"])
-        if self._drain is None and st.check([keys.drain(gen)]):
-            info = json.loads(st.get(keys.drain(gen)))
+        if self._drain is None:
+            info = ch.read(keys.drain(gen), protocol.DRAIN)
+            if info is None:
+                return
+            if info["role"] >= self.layout.world_size or info["generation"] != gen + 1:
+                ch.refuse(keys.drain(gen), f"role {info['role']}, generation {info['generation']}: expected a role "
+                                           f"< {self.layout.world_size} and generation {gen + 1}")
+                return
             self._drain = {"info": info, "gen": gen}
             t = threading.Thread(target=self._prepare_drain, args=(self._drain,), name="pitstop-drain-prepare", daemon=True)
             self._drain["thread"] = t
@@ -291,10 +305,26 @@ class Session:
             g.mark_broken()
 
     # ------------------------------------------------------------------ unplanned: recovery
+    def _fault_info(self, ch: protocol.Channel, gen: int) -> Optional[dict]:
+        """The controller's verified word on generation ``gen``'s failure, or None."""
+        info = ch.read(keys.fault(gen), protocol.FAULT)
+        if info is None or info.get("fallback"):
+            return info
+        if info.get("role") is None or info["role"] >= self.layout.world_size or info.get("generation") != gen + 1:
+            ch.refuse(keys.fault(gen), f"role {info.get('role')}, generation {info.get('generation')}: expected a "
+                                       f"role < {self.layout.world_size} and generation {gen + 1}")
+            return None
+        return info
+
     def _wait_fault(self) -> dict:
-        fk = keys.fault(self.gen)
-        self.store.wait([fk], timedelta(seconds=self.cfg.collective_timeout_s * 2))
-        return json.loads(self.store.get(fk))
+        deadline = time.monotonic() + self.cfg.collective_timeout_s * 2
+        while time.monotonic() < deadline:
+            info = self._fault_info(self.ch, self.gen)
+            if info is not None:
+                return info
+            time.sleep(0.01)
+        raise RecoveryError(f"{self.prefix()} the step was discarded but no fault of generation {self.gen} "
+                            f"came within {self.cfg.collective_timeout_s * 2:.0f}s")
 
     def _advance(self, pending) -> Any:
         """Swap in the next generation's groups everywhere: registry, framework objects, library globals."""
@@ -373,9 +403,9 @@ class Session:
                 d["pending"] = self.registry.prepare(role)
             else:
                 return
-            st = _client()
-            if st.add(keys.drain_nready(gen), 1) == len(plan.ranks_involved) + 1:
-                st.set(keys.drain_ready(gen), "1")
+            ch = self.ch.sibling(_client())  # this thread's own connection
+            if ch.add(keys.drain_nready(gen), 1) == len(plan.ranks_involved) + 1:
+                ch.put(keys.drain_ready(gen), {"set": True})
         except Exception as exc:  # noqa: BLE001 - reported at the switch
             d["error"] = exc
             log.exception("%s drain preparation failed", self.prefix())
@@ -467,12 +497,12 @@ class Session:
         self.fence.local = False
         pair = _handoff_pair(old_gen, 1, self.cfg)
         plan = plan_replace(self.layout, (self.rank,), old_gen, old_gen + 1)
-        st = self.store
-        if st.add(keys.drain_nready(old_gen), 1) == len(plan.ranks_involved) + 1:
-            st.set(keys.drain_ready(old_gen), "1")
+        ch = self.ch
+        if ch.add(keys.drain_nready(old_gen), 1) == len(plan.ranks_involved) + 1:
+            ch.put(keys.drain_ready(old_gen), {"set": True})
         t_prepared = time.time()
-        st.wait([keys.drain_switch(old_gen)], timedelta(days=1))
-        step_s, t_switch = st.get(keys.drain_switch(old_gen)).decode().split(":")
+        sw = ch.wait(keys.drain_switch(old_gen), protocol.DRAIN_SWITCH, timeout_s=86400.0)
+        step_s, t_switch = str(sw["step"]), sw["time"]
         t0 = time.perf_counter()
         snap = state.recv_snapshot_raw(pair, 0)
         has_buddy = torch.zeros(1, dtype=torch.int64)
@@ -504,7 +534,7 @@ class Session:
         def fire(phase: str) -> None:
             for f in self.faults:
                 if self.step == f.step and phase == f.phase:
-                    self.store.set(keys.FAULT_FIRED, f"{time.time():.6f}")
+                    self.ch.put(keys.FAULT_FIRED, {"time": time.time()}, own=False)
                     self._info("fault injector: signal %s in phase %s", f.sig, phase)
                     f.fire()
 

@@ -13,7 +13,9 @@ copy costs one pack, not two.
 
 from __future__ import annotations
 
-import pickle
+import base64
+import json
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -96,7 +98,7 @@ class Snapshot:
     data: torch.Tensor
     """All shard tensors' bytes, concatenated (uint8, CPU)."""
     rng: bytes
-    """Pickled :func:`rng_state`."""
+    """:func:`rng_state` in the JSON wire form of :func:`encode_value` (never a pickle)."""
     world_seq: int = 0
     """The world group's operation counter, so a joiner stays in step with it."""
 
@@ -106,12 +108,30 @@ class Snapshot:
 
     # ------------------------------------------------------------------ wire form
     def meta_bytes(self) -> bytes:
-        return pickle.dumps((self.step, self.layout, self.rng, self.world_seq))
+        return json.dumps({"step": self.step, "layout": [list(e) for e in self.layout],
+                           "rng": self.rng.decode(), "world_seq": self.world_seq}).encode()
 
     @classmethod
     def from_wire(cls, meta: bytes, data: torch.Tensor) -> "Snapshot":
-        step, layout, rng, seq = pickle.loads(meta)
-        return cls(step, layout, data, rng, seq)
+        """Parse and validate a peer's snapshot header: JSON of a fixed shape, whose layout
+        must describe exactly ``data``'s bytes. Anything else is a :class:`RecoveryError`."""
+        try:
+            d = json.loads(bytes(meta).decode("utf-8"), parse_constant=_no_constant)
+            step, layout, rng, seq = d["step"], d["layout"], d["rng"], d["world_seq"]
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            raise RecoveryError(f"snapshot header from a peer does not parse ({len(meta)} bytes): {exc}") from None
+        if not (_is_nat(step) and _is_nat(seq) and isinstance(rng, str) and isinstance(layout, list)):
+            raise RecoveryError(f"snapshot header: step={step!r}, world_seq={seq!r}: expected integers >= 0")
+        entries, total = [], 0
+        for e in layout:
+            if not (isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and isinstance(e[1], list)
+                    and all(_is_nat(x) for x in e[1]) and e[2] in _DTYPES and (e[3] is None or isinstance(e[3], str))):
+                raise RecoveryError(f"snapshot layout entry {str(e)[:120]}: expected [name, shape, dtype, key]")
+            total += math.prod(e[1]) * _DTYPES[e[2]].itemsize
+            entries.append((e[0], tuple(e[1]), e[2], e[3]))
+        if total != data.numel():
+            raise RecoveryError(f"snapshot layout describes {total} bytes, the peer sent {data.numel()}")
+        return cls(step, entries, data, rng.encode(), seq)
 
 
 def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] = None,
@@ -131,7 +151,7 @@ def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] =
     rng = rng_state()
     if extra:
         rng["extra"] = extra
-    return Snapshot(step, layout, out, pickle.dumps(rng), world_seq)
+    return Snapshot(step, layout, out, json.dumps(encode_value(rng)).encode(), world_seq)
 
 
 def restore(optimizer, snap: Snapshot) -> Dict[str, Any]:
@@ -167,10 +187,87 @@ def restore(optimizer, snap: Snapshot) -> Dict[str, Any]:
         owner_opt.state[p][key] = src.clone().to(param.device)
     if offset != snap.data.numel():
         raise RecoveryError(f"snapshot holds {snap.data.numel()} bytes but its layout describes {offset}")
-    rng = pickle.loads(snap.rng)
+    rng = decode_rng(snap.rng)
     extra = rng.pop("extra", {})
     set_rng_state(rng)
     return extra
+
+
+# --------------------------------------------------------------------------- wire form without pickle
+_DTYPES = {n: getattr(torch, n) for n in ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+                                          "float32", "float64", "bool")}
+
+
+def _is_nat(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def encode_value(v: Any) -> Any:
+    """RNG states and small library state as JSON: tensors and arrays as typed base64,
+    tuples kept apart from lists (``random.setstate`` wants tuples)."""
+    if torch.is_tensor(v):
+        t = v.detach().cpu().contiguous()
+        return {"$t": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
+                "b64": base64.b64encode(t.reshape(-1).view(torch.uint8).numpy().tobytes()).decode()}
+    if isinstance(v, np.ndarray):
+        return {"$a": v.dtype.str, "shape": list(v.shape), "b64": base64.b64encode(np.ascontiguousarray(v).tobytes()).decode()}
+    if isinstance(v, tuple):
+        return {"$tuple": [encode_value(x) for x in v]}
+    if isinstance(v, list):
+        return [encode_value(x) for x in v]
+    if isinstance(v, dict):
+        if not all(isinstance(k, str) for k in v):
+            raise RecoveryError(f"state dict with non-string keys {list(v)[:5]}: cannot cross the wire as JSON")
+        return {k: encode_value(x) for k, x in v.items()}
+    if isinstance(v, np.generic):
+        return v.item()
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise RecoveryError(f"state of type {type(v).__name__} cannot cross the wire (JSON, tensors and arrays only)")
+
+
+def decode_value(v: Any, depth: int = 0) -> Any:
+    """The inverse of :func:`encode_value`, validating every typed blob's dtype and size."""
+    if depth > 32:
+        raise RecoveryError("state nested deeper than 32 levels")
+    if isinstance(v, list):
+        return [decode_value(x, depth + 1) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if "$tuple" in v:
+        return tuple(decode_value(x, depth + 1) for x in v["$tuple"])
+    if "$t" in v or "$a" in v:
+        shape = v.get("shape")
+        if not (isinstance(shape, list) and all(_is_nat(x) for x in shape) and isinstance(v.get("b64"), str)):
+            raise RecoveryError(f"typed blob with shape {shape!r}: expected a list of sizes and base64 data")
+        raw = base64.b64decode(v["b64"], validate=True)
+        if "$t" in v:
+            if v["$t"] not in _DTYPES:
+                raise RecoveryError(f"tensor dtype {v['$t']!r}: expected one of {sorted(_DTYPES)}")
+            dt = _DTYPES[v["$t"]]
+            if len(raw) != math.prod(shape) * dt.itemsize:
+                raise RecoveryError(f"tensor of shape {shape} {v['$t']}: {len(raw)} bytes")
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape).clone()
+        dt = np.dtype(v["$a"]) if v["$a"] in ("<u4", "<i4", "<i8", "<u8", "<f8", "<f4", "|u1") else None
+        if dt is None or len(raw) != math.prod(shape) * dt.itemsize:
+            raise RecoveryError(f"array {v['$a']!r} of shape {shape}: {len(raw)} bytes")
+        return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+    return {k: decode_value(x, depth + 1) for k, x in v.items()}
+
+
+def decode_rng(raw: bytes) -> Dict[str, Any]:
+    """A peer's RNG streams (and library extra state), validated: a :class:`RecoveryError` if not."""
+    try:
+        d = decode_value(json.loads(bytes(raw).decode("utf-8"), parse_constant=_no_constant))
+    except (UnicodeDecodeError, ValueError, TypeError) as exc:
+        raise RecoveryError(f"RNG state from a peer does not parse: {exc}") from None
+    if not isinstance(d, dict) or not {"python", "numpy", "torch"} <= set(d):
+        raise RecoveryError(f"RNG state from a peer lacks python/numpy/torch streams: {sorted(d) if isinstance(d, dict) else type(d)}")
+    return d
 
 
 def _param_of(inner, base: str) -> torch.Tensor:

@@ -8,7 +8,6 @@ just ``init_world`` and nothing else runs.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -20,9 +19,10 @@ from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
+from pitstop import protocol
 from pitstop.errors import AuthError, PitstopError
-from pitstop.launch.jobtoken import mac, token_from_env
 from pitstop.pg import init_world
+from pitstop.protocol import Channel, Refused
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig
 from pitstop.store import ENV_STORE, connect_from_env, parse_endpoint
@@ -34,6 +34,7 @@ ENV_STANDBY = "PITSTOP_STANDBY"
 ENV_GENERATION = "PITSTOP_GENERATION"
 ENV_EPOCH = "PITSTOP_EPOCH"
 ENV_RESUME = "PITSTOP_RESUME_STEP"      # set on a checkpoint restart
+ENV_SLOT = "PITSTOP_SLOT"               # the slot the controller gave the process it started
 
 
 @dataclass
@@ -56,6 +57,8 @@ class Membership:
     assignment: dict = field(default_factory=dict)
     heartbeat: Optional["Heartbeat"] = None
     joined_at: float = field(default_factory=time.time)
+    channel: Optional[Channel] = None
+    """The authenticated view of ``store``: every control message goes through it."""
 
     @property
     def controlled(self) -> bool:
@@ -80,12 +83,14 @@ class Heartbeat:
     A process stopped with SIGSTOP stops beating, which is how a hang is seen.
     """
 
-    def __init__(self, slot: int, interval_s: float) -> None:
+    def __init__(self, slot: int, interval_s: float, main: Channel) -> None:
         host, port = parse_endpoint(os.environ[ENV_STORE])
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        self.channel = main.sibling(self.store)  # shares what the process owns: reasserted at every beat
         self.slot = slot
+        self.beats = 0
         self.interval_s = interval_s
-        self.watchers: List[Callable[[dist.Store], None]] = []
+        self.watchers: List[Callable[[Channel], None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"pitstop-heartbeat-{slot}", daemon=True)
 
@@ -99,37 +104,70 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.store.add(keys.heartbeat(self.slot), 1)
+                self.beats += 1
+                self.channel.put(keys.heartbeat(self.slot), {"n": self.beats}, own=False)
+                self.channel.reassert()
                 for w in list(self.watchers):
-                    w(self.store)
+                    w(self.channel)
             except Exception as exc:  # noqa: BLE001 - the controller went away; nothing to beat for
                 log.debug("heartbeat %d: %s", self.slot, exc)
                 return
             self._stop.wait(self.interval_s)
 
 
-def _authenticate(store: dist.Store, standby: bool, rank: Optional[int]) -> int:
-    """Prove the job token to the controller; returns this process's slot."""
-    slot = store.add(keys.JOIN_COUNT, 1)
-    store.set(keys.join(slot, "hello"), json.dumps({
-        "pid": os.getpid(), "host": socket.gethostname(), "standby": standby, "rank": rank,
-    }))
-    store.wait([keys.join(slot, "nonce")], timedelta(seconds=60))
-    nonce = store.get(keys.join(slot, "nonce"))
-    store.set(keys.join(slot, "mac"), mac(token_from_env(), nonce, str(slot)))
-    store.wait([keys.join(slot, "verdict")], timedelta(seconds=60))
-    verdict = store.get(keys.join(slot, "verdict")).decode()
-    if verdict != "ok":
-        raise AuthError(f"the controller refused this process (pid {os.getpid()}, slot {slot}): {verdict}")
-    return slot
+def _log_refused(key: str, reason: str) -> None:
+    log.warning("refused %s: %s", key, reason)
 
 
-def _wait_assignment(store: dist.Store, slot: int) -> Optional[dict]:
+def _authenticate(ch: Channel, standby: bool, rank: Optional[int], timeout_s: float = 120.0) -> int:
+    """Prove the job token to the controller; returns this process's slot.
+
+    A process the controller started knows its slot (``PITSTOP_SLOT``) and says hello
+    there; anything else applies under ``ctl/apply/<n>``. The hello is sealed with the
+    token, so it proves possession without the token crossing the store. It is sent
+    again every second until a verdict comes, so a hello overwritten by junk is not
+    lost. A verdict that does not verify is ignored, except a plain refusal, which
+    only stops this process."""
+    hello = {"pid": os.getpid(), "host": socket.gethostname(), "standby": standby, "rank": rank}
+    if os.environ.get(ENV_SLOT):
+        slot = int(os.environ[ENV_SLOT])
+        hk, vk = keys.join(slot, "hello"), keys.join(slot, "verdict")
+    else:
+        slot = -1
+        i = ch.store.add(keys.APPLY_COUNT, 1)
+        hk, vk = keys.apply(i, "hello"), keys.apply(i, "verdict")
+    deadline = time.monotonic() + timeout_s
+    last_hello = 0.0
+    while time.monotonic() < deadline:
+        if time.monotonic() - last_hello > 1.0:
+            ch.put(hk, hello, own=False)
+            last_hello = time.monotonic()
+        if ch.store.check([vk]):
+            raw = ch.store.get(vk)
+            try:
+                v = protocol.open_(ch.token, vk, raw, protocol.JOIN_VERDICT)
+            except Refused as exc:
+                if raw.startswith(b"refused:"):
+                    raise AuthError(f"the controller refused this process (pid {os.getpid()}, {hk}): "
+                                    f"{raw.decode(errors='replace')[:300]}") from None
+                ch.refuse(vk, exc.reason, raw)
+            else:
+                if not v["ok"]:
+                    raise AuthError(f"the controller refused this process (pid {os.getpid()}, {hk}): refused: {v.get('reason')}")
+                return int(v.get("slot", slot))
+        time.sleep(0.02)
+    raise AuthError(f"no verdict on {vk} within {timeout_s:.0f}s (pid {os.getpid()}): is the controller alive?")
+
+
+def _wait_assignment(ch: Channel, slot: int, world: int) -> Optional[dict]:
     """Block until the controller gives this standby a role (None: the job is over)."""
     while True:
-        if store.check([keys.assign(slot)]):
-            return json.loads(store.get(keys.assign(slot)))
-        if store.check([keys.DONE]):
+        a = ch.read(keys.assign(slot), protocol.ASSIGN)
+        if a is not None:
+            if a["role"] < world:
+                return a
+            ch.refuse(keys.assign(slot), f"role {a['role']} does not exist in a world of {world}")
+        if ch.read(keys.DONE, protocol.FLAG) is not None:
             return None
         time.sleep(0.02)
 
@@ -178,21 +216,24 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
         init_world(connect_from_env(), rank, world, timeout)
         _CURRENT = Membership(rank, world, int(os.environ.get(ENV_GENERATION, 0)), "worker", config=cfg)
         return _CURRENT
+    token = protocol.take_token_from_env()  # the script's own children do not inherit it
     store = connect_from_env(timeout=timedelta(seconds=max(300.0, cfg.collective_timeout_s)))
+    ch = Channel(store, token, _log_refused)
     standby = os.environ.get(ENV_STANDBY) == "1"
-    slot = _authenticate(store, standby, None if standby else int(os.environ["RANK"]))
-    hb = Heartbeat(slot, cfg.heartbeat_interval_s).start()
+    slot = _authenticate(ch, standby, None if standby else int(os.environ["RANK"]))
+    hb = Heartbeat(slot, cfg.heartbeat_interval_s, ch).start()
     epoch = int(os.environ.get(ENV_EPOCH, 0))
     if standby:
         if warmup is not None and cfg.warmup:
             from pitstop.runtime import sandbox
 
             def interrupted() -> bool:
-                return store.check([keys.assign(slot)]) or store.check([keys.DONE])
+                return (ch.read(keys.assign(slot), protocol.ASSIGN) is not None
+                        or ch.read(keys.DONE, protocol.FLAG) is not None)
 
-            sandbox.warm_up(store, slot, warmup, interrupted=interrupted, timeout_s=cfg.collective_timeout_s * 5)
+            sandbox.warm_up(ch, slot, warmup, interrupted=interrupted, timeout_s=cfg.collective_timeout_s * 5)
         log.info("[standby %d] warm and waiting for a role", slot)
-        assignment = _wait_assignment(store, slot)
+        assignment = _wait_assignment(ch, slot, world)
         if assignment is None:
             log.info("[standby %d] the job is over; leaving", slot)
             os._exit(0)
@@ -202,7 +243,7 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
         assignment = {}
         role, gen = int(os.environ["RANK"]), int(os.environ.get(ENV_GENERATION, 0))
         mode = "restart" if os.environ.get(ENV_RESUME) else "worker"
-    _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb)
+    _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb, channel=ch)
     init_world(store, role, world, timeout, epoch=epoch, detached=_CURRENT.joiner)
     if _CURRENT.joiner:  # builds its role without talking to anyone until the session takes its state
         from pitstop.pg import FENCE

@@ -1,0 +1,346 @@
+"""The control protocol's envelope: every message that anybody acts on is authenticated.
+
+Anything read from the control store is untrusted: any process that reaches the
+store's port can write any key, and TCPStore traffic is plain text on the wire. So
+a message is *sealed* with an HMAC under the job token, over the key it is written
+to and its JSON body, and *opened* (verified, size-checked, parsed, shape-checked)
+before anything acts on it::
+
+    writer                                    store                      reader
+    seal(key, body) = "ps1." mac "." json --> key --------------------> open(key, raw, schema)
+          mac = HMAC-SHA256(token, "pitstop/1" | key | json)                 |  bad: Refused(key, why)
+                                                                             v  good: body (a dict)
+
+- The MAC covers the key, and every key names what it is about (slot, generation,
+  step), so a message copied to another key, another generation or another job
+  does not verify: replay onto another key is refused. A message written again to
+  its own key is the same message (idempotent), except for counters that must grow,
+  such as heartbeats, which the reader checks itself.
+- Atomic counters (``add``) and the vote's ``compare_set`` slots cannot carry a MAC:
+  their names get a suffix derived from the token (:meth:`Channel.private`), so a
+  process without the token cannot even find them, let alone poison them.
+- Sealing is deterministic (same key and body, same bytes), which the vote's
+  ``compare_set`` relies on.
+
+Pure: no torch import. The store is anything with ``get/set/check/add/compare_set``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import math
+import os
+import secrets
+import time
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Union
+
+from pitstop.errors import PitstopError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"ps1."
+DOMAIN = b"pitstop/1"
+MAX_BYTES = 256 * 1024
+"""Largest message anybody reads (a warmup report with every class is ~10 KiB)."""
+
+
+ENV_TOKEN = "PITSTOP_JOB_TOKEN"
+
+
+def new_token() -> str:
+    """A fresh job token (256 random bits, hex)."""
+    return secrets.token_hex(32)
+
+
+def take_token_from_env() -> str:
+    """Read the job token and remove it from this process's environment.
+
+    Once pitstop holds it, the user script's own children (data loader workers,
+    shell-outs) do not inherit it. Returns "" when there is none."""
+    return os.environ.pop(ENV_TOKEN, "")
+
+
+class Refused(PitstopError, ValueError):
+    """A control message that is not acted on: unauthenticated, malformed, oversized or replayed.
+
+    ``key`` and ``reason`` are what the ``refused`` event records."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"refused {key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+def _mac(token: bytes, key: str, payload: bytes) -> bytes:
+    return hmac.new(token, DOMAIN + b"\0" + key.encode() + b"\0" + payload, hashlib.sha256).hexdigest().encode()
+
+
+def seal(token: Union[str, bytes], key: str, body: Any) -> bytes:
+    """The bytes to store under ``key``: ``ps1.<hex mac>.<canonical json>``."""
+    tok = token.encode() if isinstance(token, str) else token
+    if not tok:
+        raise PitstopError("no job token: a control message cannot be sealed (is PITSTOP_JOB_TOKEN set?)")
+    payload = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return MAGIC + _mac(tok, key, payload) + b"." + payload
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def open_(token: Union[str, bytes], key: str, raw: Any, schema: Optional["Schema"] = None,
+          max_bytes: int = MAX_BYTES) -> Any:
+    """Verify and parse what ``key`` holds; raise :class:`Refused` naming why not."""
+    tok = token.encode() if isinstance(token, str) else token
+    if not isinstance(raw, (bytes, bytearray)):
+        raise Refused(key, f"value of type {type(raw).__name__}, expected bytes")
+    raw = bytes(raw)
+    if len(raw) > max_bytes:
+        raise Refused(key, f"oversized: {len(raw)} bytes > {max_bytes}")
+    if not raw.startswith(MAGIC):
+        raise Refused(key, f"unauthenticated: no pitstop envelope (starts {raw[:12]!r})")
+    mac, dot, payload = raw[len(MAGIC):].partition(b".")
+    if not dot or len(mac) != 64:
+        raise Refused(key, "malformed envelope: no 64-digit MAC")
+    if not hmac.compare_digest(mac, _mac(tok, key, payload)):
+        raise Refused(key, "bad MAC: not written with this job's token, or written for another key")
+    try:
+        body = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise Refused(key, f"malformed JSON: {exc}") from None
+    if schema is not None:
+        try:
+            body = schema.check(body)
+        except ValueError as exc:
+            raise Refused(key, f"malformed message: {exc}") from None
+    return body
+
+
+# --------------------------------------------------------------------------- message shapes
+class Field:
+    """One field of a message: its types, whether it must be there, and bounds for numbers."""
+
+    def __init__(self, *types: type, required: bool = True, lo: Optional[float] = None,
+                 hi: Optional[float] = None, choices: Optional[Iterable[Any]] = None, max_len: int = 4096) -> None:
+        self.types = types
+        self.required = required
+        self.lo, self.hi = lo, hi
+        self.choices = None if choices is None else tuple(choices)
+        self.max_len = max_len
+
+    def check(self, name: str, v: Any) -> Any:
+        if v is None and type(None) in self.types:
+            return v
+        ok = isinstance(v, self.types) and not (isinstance(v, bool) and bool not in self.types)
+        if not ok:
+            want = "|".join("null" if t is type(None) else t.__name__ for t in self.types)
+            raise ValueError(f"{name}={_short(v)}: expected {want}, got {type(v).__name__}")
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{name}={v}: expected a finite number")
+            if self.lo is not None and v < self.lo:
+                raise ValueError(f"{name}={v}: expected >= {self.lo}")
+            if self.hi is not None and v > self.hi:
+                raise ValueError(f"{name}={v}: expected <= {self.hi}")
+        if isinstance(v, (str, list, dict)) and len(v) > self.max_len:
+            raise ValueError(f"{name}: {len(v)} items, expected at most {self.max_len}")
+        if self.choices is not None and v not in self.choices:
+            raise ValueError(f"{name}={_short(v)}: expected one of {', '.join(map(repr, self.choices))}")
+        return v
+
+
+class Schema:
+    """The shape of one kind of message: a dict with these fields (unknown fields are refused)."""
+
+    def __init__(self, name: str, fields: Mapping[str, Field], extra: bool = False) -> None:
+        self.name = name
+        self.fields = dict(fields)
+        self.extra = extra
+
+    def check(self, body: Any) -> Dict[str, Any]:
+        if not isinstance(body, dict):
+            raise ValueError(f"{self.name}: expected an object, got {type(body).__name__}")
+        for k, f in self.fields.items():
+            if k in body:
+                f.check(f"{self.name}.{k}", body[k])
+            elif f.required:
+                raise ValueError(f"{self.name}: missing field {k!r}")
+        if not self.extra:
+            unknown = sorted(set(body) - set(self.fields))
+            if unknown:
+                raise ValueError(f"{self.name}: unknown field(s) {', '.join(map(repr, unknown[:5]))}")
+        return body
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+_INT = (int,)
+_NUM = (int, float)
+NAT = dict(lo=0, hi=2 ** 53)
+
+HELLO = Schema("hello", {"pid": Field(int, lo=1, hi=2 ** 31), "host": Field(str, max_len=255),
+                         "standby": Field(bool), "rank": Field(int, type(None), **NAT)})
+JOIN_VERDICT = Schema("join-verdict", {"ok": Field(bool), "reason": Field(str, required=False),
+                                       "slot": Field(int, required=False, **NAT)})
+ASSIGN = Schema("assign", {"role": Field(int, **NAT), "generation": Field(int, **NAT),
+                           "mode": Field(str, choices=("recover", "drain")),
+                           "step": Field(int, required=False, **NAT),
+                           "from_generation": Field(int, required=False, **NAT)})
+FAULT = Schema("fault", {"role": Field(int, required=False, **NAT), "generation": Field(int, required=False, **NAT),
+                         "step": Field(int, required=False, **NAT), "joiner": Field(str, required=False),
+                         "fallback": Field(bool, required=False), "resume_step": Field(int, required=False, **NAT)})
+DRAIN = Schema("drain", {"role": Field(int, **NAT), "generation": Field(int, **NAT), "joiner": Field(str)})
+DRAIN_REQUEST = Schema("drain-request", {"rank": Field(int, type(None), **NAT), "host": Field(str, type(None), max_len=255)})
+HEARTBEAT = Schema("heartbeat", {"n": Field(int, **NAT)})
+COMMITTED = Schema("committed", {"generation": Field(int, **NAT), "step": Field(int, **NAT), "time": Field(*_NUM, lo=0)})
+STAMP = Schema("stamp", {"time": Field(*_NUM, lo=0)})
+FLAG = Schema("flag", {"set": Field(bool)})
+DRAIN_SWITCH = Schema("drain-switch", {"step": Field(int, **NAT), "time": Field(*_NUM, lo=0)})
+TIMING = Schema("timing", {}, extra=True)
+RECORD = Schema("record", {"cls": Field(str, choices=("only", "first", "middle", "last")), "role": Field(int, **NAT),
+                           "path": Field(str, max_len=4096), "bytes": Field(int, **NAT),
+                           "value_bytes": Field(int, **NAT), "ops": Field(int, **NAT), "record_s": Field(*_NUM, lo=0)})
+WARM = Schema("warm", {"pid": Field(int, lo=1, hi=2 ** 31), "results": Field(list, max_len=16),
+                       "stopped": Field(str), "ok": Field(bool), "rss_bytes": Field(int, **NAT)})
+VOTE = Schema("vote", {"verdict": Field(str, max_len=2048)})
+CLASSES = Schema("classes", {"classes": Field(list, max_len=4)})
+ROSTER = Schema("roster", {}, extra=True)
+
+
+def check_timing(body: Dict[str, Any]) -> Dict[str, Any]:
+    """A worker's timing report: a flat dict of numbers, booleans and nulls."""
+    for k, v in body.items():
+        if not (v is None or isinstance(v, (bool, int, float))) or len(k) > 64:
+            raise ValueError(f"timing.{k[:64]}={_short(v)}: expected a number")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"timing.{k}={v}: expected a finite number")
+    return body
+
+
+TIMING.check = lambda body, _c=TIMING.check: check_timing(_c(body))  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- the channel
+class Channel:
+    """The control store as seen by one process that holds the job token.
+
+    ``put`` seals, ``read`` opens; a message that does not open is reported once to
+    ``on_refused(key, reason)`` (the controller writes a ``refused`` event, a worker a
+    log line) and read as absent, so the caller keeps waiting for a good one. Nothing
+    raised by the store's content escapes ``read``.
+
+    Junk written over a good message would lose it, so the writer *owns* what it put
+    (``own=True``, the default) and :meth:`reassert` (the controller's loop, a worker's
+    heartbeat thread) writes back every owned message that was overwritten. Channels of
+    one process share ``owned`` so that one thread can reassert what another put.
+    """
+
+    def __init__(self, store: Any, token: Union[str, bytes],
+                 on_refused: Optional[Callable[[str, str], None]] = None,
+                 owned: Optional[Dict[str, bytes]] = None) -> None:
+        self.store = store
+        self.token = token.encode() if isinstance(token, str) else token
+        self.on_refused = on_refused or (lambda key, reason: log.warning("refused %s: %s", key, reason))
+        self._seen: Dict[str, bytes] = {}
+        self.refused = 0
+        self.owned: Dict[str, bytes] = {} if owned is None else owned
+
+    def sibling(self, store: Any) -> "Channel":
+        """The same identity over another store connection (a store client is one thread's)."""
+        return Channel(store, self.token, self.on_refused, self.owned)
+
+    # -- sealed messages
+    def put(self, key: str, body: Any, own: bool = True) -> None:
+        """Seal and write; ``own=False`` for values that others overwrite legitimately
+        (the last commit) or that are rewritten anyway (heartbeats)."""
+        raw = seal(self.token, key, body)
+        self.store.set(key, raw)
+        if own:
+            self.owned[key] = raw
+
+    def disown(self, key: str) -> None:
+        self.owned.pop(key, None)
+
+    def reassert(self) -> int:
+        """Write back every owned message that is no longer in the store as written; returns how many."""
+        n = 0
+        for key, raw in list(self.owned.items()):
+            got = self.store.get(key) if self.store.check([key]) else None
+            if got != raw:
+                if got is not None:
+                    self._refuse(key, "overwritten: the sealed message was written back", got)
+                self.store.set(key, raw)
+                n += 1
+        return n
+
+    def read(self, key: str, schema: Optional[Schema] = None) -> Optional[Any]:
+        """The verified body under ``key``; None when absent or refused."""
+        if not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        try:
+            return open_(self.token, key, raw, schema)
+        except Refused as exc:
+            self._refuse(key, exc.reason, raw)
+            return None
+
+    def refuse(self, key: str, reason: str, raw: bytes = b"") -> None:
+        """Report a message that opened but cannot be acted on (e.g. a role out of range)."""
+        self._refuse(key, reason, raw)
+
+    def _refuse(self, key: str, reason: str, raw: bytes) -> None:
+        digest = hashlib.sha256(bytes(raw) + reason.encode()).digest()
+        if self._seen.get(key) == digest:  # polled again: the same junk is reported once
+            return
+        self._seen[key] = digest
+        self.refused += 1
+        try:
+            self.on_refused(key, reason)
+        except Exception:  # noqa: BLE001 - reporting must not become the crash it reports
+            log.exception("reporting a refused message on %s failed", key)
+
+    def wait(self, key: str, schema: Optional[Schema] = None, timeout_s: float = 60.0,
+             interrupted: Optional[Callable[[], bool]] = None, period_s: float = 0.02) -> Optional[Any]:
+        """Poll until ``key`` holds a good message; None if ``interrupted()`` or after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            body = self.read(key, schema)
+            if body is not None:
+                return body
+            if interrupted is not None and interrupted():
+                return None
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(period_s)
+
+    # -- counters and compare-and-set slots: private names
+    def private(self, key: str) -> str:
+        """``key`` with a token-derived suffix: for ``add`` and ``compare_set``, which carry no MAC."""
+        tag = hmac.new(self.token, b"name\0" + key.encode(), hashlib.sha256).hexdigest()[:20]
+        return f"{key}/{tag}"
+
+    def add(self, key: str, n: int) -> int:
+        return int(self.store.add(self.private(key), n))
+
+    def vote(self, key: str, desired: str) -> str:
+        """Settle ``key`` once: the first sealed verdict wins; returns the verdict that holds."""
+        name = self.private(key)
+        got = self.store.compare_set(name, "", seal(self.token, name, {"verdict": desired}))
+        try:
+            return open_(self.token, name, got, VOTE)["verdict"]
+        except Refused as exc:  # cannot happen without the token; never act on it
+            self._refuse(name, exc.reason, got)
+            return "poisoned: the vote holds a message that does not verify"
+
+    def settled(self, key: str) -> Optional[str]:
+        """The verdict of ``key`` if one is settled, else None."""
+        name = self.private(key)
+        body = self.read(name, VOTE)
+        return None if body is None else body["verdict"]
+

@@ -1,0 +1,163 @@
+"""Tier 1: the control protocol's envelope, message shapes and channel (pure; a dict stands in
+for the store only where the store's own behaviour is not under test, and a real TCPStore
+where it is)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+
+from pitstop import protocol
+from pitstop.protocol import Channel, Refused, open_, seal
+from pitstop.runtime import keys
+
+TOKEN = "t" * 64
+
+
+def test_a_sealed_message_opens_with_its_token_and_key_only():
+    raw = seal(TOKEN, "ctl/assign/3", {"role": 5, "generation": 1, "mode": "recover", "step": 3})
+    assert open_(TOKEN, "ctl/assign/3", raw, protocol.ASSIGN)["role"] == 5
+    with pytest.raises(Refused, match="bad MAC"):
+        open_("u" * 64, "ctl/assign/3", raw)                 # another job's token
+    with pytest.raises(Refused, match="bad MAC"):
+        open_(TOKEN, "ctl/assign/4", raw)                    # replayed onto another slot
+    with pytest.raises(Refused, match="bad MAC"):
+        open_(TOKEN, "ctl/assign/3", raw.replace(b'"role":5', b'"role":6'))  # tampered body
+
+
+def test_sealing_is_deterministic_so_compare_set_votes_work():
+    assert seal(TOKEN, "k", {"b": 1, "a": 2}) == seal(TOKEN, "k", {"a": 2, "b": 1})
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b"ok", "unauthenticated"),
+    (b"", "unauthenticated"),
+    (b"ps1.", "malformed envelope"),
+    (b"ps1." + b"0" * 64, "malformed envelope"),
+    (b"ps1." + b"0" * 64 + b".{}", "bad MAC"),
+    (b"\xff" * 50, "unauthenticated"),
+    (b"x" * (protocol.MAX_BYTES + 1), "oversized"),
+    ("a str", "expected bytes"),
+    (None, "expected bytes"),
+])
+def test_junk_is_refused_with_a_reason(raw, reason):
+    with pytest.raises(Refused, match=reason) as exc:
+        open_(TOKEN, "ctl/fault/g0", raw)
+    assert exc.value.key == "ctl/fault/g0"
+
+
+def _sealed_payload(key: str, payload: bytes) -> bytes:
+    return protocol.MAGIC + protocol._mac(TOKEN.encode(), key, payload) + b"." + payload
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b"not json", "malformed JSON"),
+    (b'{"role": NaN, "generation": 1, "mode": "recover"}', "malformed JSON"),
+    (b'[1, 2]', "expected an object"),
+    (b'{"generation": 1, "mode": "recover"}', "missing field 'role'"),
+    (b'{"role": "5", "generation": 1, "mode": "recover"}', "assign.role='5': expected int, got str"),
+    (b'{"role": true, "generation": 1, "mode": "recover"}', "expected int, got bool"),
+    (b'{"role": -1, "generation": 1, "mode": "recover"}', "assign.role=-1: expected >= 0"),
+    (b'{"role": 1, "generation": 1, "mode": "steal"}', "expected one of 'recover', 'drain'"),
+    (b'{"role": 1, "generation": 1, "mode": "drain", "x": 1}', "unknown field"),
+])
+def test_a_well_signed_but_malformed_message_is_refused(body, needle):
+    """Even a token holder's message is checked: a bug must not become a crash elsewhere."""
+    raw = _sealed_payload("ctl/assign/1", body)
+    with pytest.raises(Refused) as exc:
+        open_(TOKEN, "ctl/assign/1", raw, protocol.ASSIGN)
+    assert needle in exc.value.reason, exc.value.reason
+
+
+def test_every_schema_accepts_what_pitstop_itself_writes():
+    examples = {
+        protocol.HELLO: {"pid": 12, "host": "h", "standby": True, "rank": None},
+        protocol.JOIN_VERDICT: {"ok": True, "slot": 3},
+        protocol.FAULT: {"fallback": True, "resume_step": 4},
+        protocol.DRAIN: {"role": 2, "generation": 1, "joiner": "h:12"},
+        protocol.DRAIN_REQUEST: {"rank": None, "host": "h"},
+        protocol.HEARTBEAT: {"n": 7},
+        protocol.COMMITTED: {"generation": 0, "step": 3, "time": 1.5},
+        protocol.DRAIN_SWITCH: {"step": 3, "time": 2.0},
+        protocol.TIMING: {"groups_s": 0.1, "joiner": False, "steady_iter_s": None},
+        protocol.RECORD: {"cls": "first", "role": 0, "path": "/r/warmup/first.pt", "bytes": 1, "value_bytes": 1,
+                          "ops": 3, "record_s": 0.1},
+        protocol.WARM: {"pid": 3, "results": [], "stopped": "", "ok": False, "rss_bytes": 10},
+        protocol.CLASSES: {"classes": ["first", "last"]},
+    }
+    for schema, body in examples.items():
+        assert open_(TOKEN, "k", seal(TOKEN, "k", body), schema) == body
+    with pytest.raises(Refused, match="timing.x"):
+        open_(TOKEN, "k", seal(TOKEN, "k", {"x": "str"}), protocol.TIMING)
+
+
+class DictStore:
+    def __init__(self):
+        self.d = {}
+
+    def set(self, k, v):
+        self.d[k] = v.encode() if isinstance(v, str) else bytes(v)
+
+    def get(self, k):
+        return self.d[k]
+
+    def check(self, ks):
+        return all(k in self.d for k in ks)
+
+
+def test_channel_reads_absent_and_refused_as_none_and_reports_junk_once():
+    st, seen = DictStore(), []
+    ch = Channel(st, TOKEN, lambda k, r: seen.append((k, r)))
+    assert ch.read("ctl/done", protocol.FLAG) is None and seen == []
+    st.set("ctl/done", "1")                       # the old, unauthenticated protocol
+    for _ in range(5):                            # polled five times, reported once
+        assert ch.read("ctl/done", protocol.FLAG) is None
+    assert len(seen) == 1 and seen[0][0] == "ctl/done" and "unauthenticated" in seen[0][1]
+    ch.put("ctl/done", {"set": True})
+    assert ch.read("ctl/done", protocol.FLAG) == {"set": True}
+    assert ch.refused == 1
+
+
+def test_private_names_depend_on_the_token():
+    a, b = Channel(DictStore(), TOKEN), Channel(DictStore(), "other")
+    assert a.private("ctl/arrive/g0/s1").startswith("ctl/arrive/g0/s1/")
+    assert a.private("ctl/arrive/g0/s1") != b.private("ctl/arrive/g0/s1")
+    assert a.private("ctl/arrive/g0/s1") != a.private("ctl/arrive/g0/s2")
+
+
+def test_vote_on_a_real_tcpstore_settles_once_and_junk_on_the_public_name_is_ignored():
+    import torch.distributed as dist
+
+    from pitstop.store import host_store
+
+    st = host_store("127.0.0.1", 0, timedelta(seconds=10))
+    cl = dist.TCPStore("127.0.0.1", st.port, is_master=False, timeout=timedelta(seconds=10))
+    ch1, ch2 = Channel(st, TOKEN), Channel(cl, TOKEN)
+    cl.set(keys.verdict(0, 1), "junk")                     # an attacker's guess at the name
+    assert ch1.vote(keys.verdict(0, 1), "ok") == "ok"
+    assert ch2.vote(keys.verdict(0, 1), "poisoned at r3") == "ok"   # first verdict wins
+    assert ch2.settled(keys.verdict(0, 1)) == "ok"
+    cl.set(keys.arrive(0, 1), "junk")                      # the public name: nobody adds to it
+    assert [ch1.add(keys.arrive(0, 1), 1), ch2.add(keys.arrive(0, 1), 1)] == [1, 2]
+
+
+def test_the_store_listens_on_loopback_only():
+    import subprocess
+
+    from pitstop.store import host_store
+
+    st = host_store("127.0.0.1", 0, timedelta(seconds=10))
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{st.port}"], capture_output=True, text=True).stdout
+    assert out.strip(), out
+    assert all("127.0.0.1:" in line for line in out.splitlines()), out
+
+
+def test_key_list_for_the_fuzzer_names_every_key_function():
+    names = keys.all_patterns()
+    assert len(names) == len(set(names)) > 200
+    funcs = [n for n, v in vars(keys).items() if callable(v) and not n.startswith("_") and n != "all_patterns"]
+    for f in funcs:
+        assert any(n.startswith("ctl/") for n in names), f
+    assert json.dumps(names)
