@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the value and what was expected; nothing starts."""
 
+import os
 import subprocess
 import sys
 import types
@@ -72,25 +73,90 @@ def test_errors_form_one_hierarchy():
 
 # ----------------------------------------------------------------------------- launcher CLI
 @pytest.mark.parametrize("argv, message", [
-    (["launch", "--nproc-per-node", "0", "--", "examples/train_gpt.py"], "--nproc-per-node(0) must be >= 1"),
-    (["launch", "--nproc-per-node", "2", "--standby", "-1", "--", "examples/train_gpt.py"], "--standby(-1) must be >= 0"),
+    (["launch", "--nproc-per-node", "0", "--", "examples/train_gpt.py"], "--nproc-per-node: '0': expected an integer >= 1"),
+    (["launch", "--nproc-per-node", "2", "--standby", "-1", "--", "examples/train_gpt.py"], "--standby: '-1': expected an integer >= 0"),
     (["launch", "--nproc-per-node", "2", "--nnodes", "2", "--", "examples/train_gpt.py"], "--nnodes(2)"),
     (["launch", "--nproc-per-node", "2", "--", "no_such_script.py"], "'no_such_script.py' does not exist"),
     (["launch", "--nproc-per-node", "2"], "no training script given"),
     (["launch", "--nproc-per-node", "2", "--heartbeat-timeout", "500", "--", "examples/train_gpt.py"],
      "0.5 < 500.0 < 120.0"),
+    (["launch", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:70000", "--", "examples/train_gpt.py"],
+     "port 70000 is out of range, expected 0..65535"),
+    (["launch", "--nproc-per-node", "2", "--rdzv-endpoint", "localhost", "--", "examples/train_gpt.py"],
+     "must look like HOST:PORT"),
+    (["launch", "--nproc-per-node", "2", "--collective-timeout", "nan", "--", "examples/train_gpt.py"],
+     "'nan': expected a finite number of seconds > 0"),
+    (["launch", "--nproc-per-node", "2", "--heartbeat-timeout", "inf", "--", "examples/train_gpt.py"],
+     "'inf': expected a finite number of seconds > 0"),
+    (["launch", "--nproc-per-node", "2", "--hold-for-warm", "-1", "--", "examples/train_gpt.py"],
+     "'-1': expected a finite number of seconds >= 0"),
     (["drain", "--run-dir", "/nonexistent/run", "--rank", "1"], "/nonexistent/run/controller.json does not exist"),
+    (["drain", "--run-dir", "/nonexistent/run", "--rank", "-3"], "--rank: '-3': expected an integer >= 0"),
+    (["status", "--run-dir", "/nonexistent/run"], "'/nonexistent/run': no such run directory"),
+    (["emulate", "--world-size", "4", "--real-ranks", "0", "--timeout", "nan", "--", "examples/train_gpt.py"],
+     "'nan': expected a finite number of seconds > 0"),
 ])
 def test_launcher_refuses_bad_input_before_starting_anything(argv, message, capsys, tmp_path, monkeypatch):
-    from pitstop.launch.cli import main
-
+    """Every command exits 2 with one line that names the value and what was expected, and no
+    traceback; nothing is started half-way."""
     monkeypatch.chdir(ROOT)
     run_dir = tmp_path / "run"
     if argv[0] == "launch":
         argv = argv[:1] + ["--run-dir", str(run_dir)] + argv[1:]
-    assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    assert _main_code(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
     assert not run_dir.exists()  # nothing was started half-way
+
+
+def _main_code(argv) -> int:
+    from pitstop.launch.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        return int(exc.code)
+
+
+def test_a_directory_given_for_a_file_is_refused(tmp_path, capsys, monkeypatch):
+    """A topology or DeepSpeed config that is a directory is named as one, not a traceback."""
+    monkeypatch.chdir(ROOT)
+    d = tmp_path / "adir.json"
+    d.mkdir()
+    assert _main_code(["emulate", "--world-size", "4", "--real-ranks", "0", "--topology", str(d), "--out",
+                       str(tmp_path / "out"), "--", "examples/train_gpt.py"]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory, expected a .json or .toml file" in err and "Traceback" not in err, err
+    assert _main_code(["launch", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"), "--",
+                       "examples/train_deepspeed.py", "--deepspeed_config", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory, expected a JSON file" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer.device='cpu'"),
+    ({"bf16": {"enabled": True}}, "bf16.enabled=true"),
+    ({"pipeline": {"stages": 2}}, "pipeline engine"),
+])
+def test_launch_refuses_a_deepspeed_feature_pitstop_does_not_support(tmp_path, capsys, monkeypatch, config, needle):
+    import json
+
+    monkeypatch.chdir(ROOT)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, **config}))
+    assert _main_code(["launch", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"), "--",
+                       "examples/train_deepspeed.py", "--deepspeed_config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "does not support" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_example_refuses_zero_stage_3_under_pitstop():
+    out = subprocess.run([sys.executable, "examples/train_deepspeed.py", "--zero-stage", "3"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode != 0 and "--zero-stage 3 is not supported by pitstop" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("section,needle", [

@@ -11,6 +11,7 @@ that anybody read must have been refused.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import threading
 import time
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from pitstop.runtime import keys
+
+log = logging.getLogger(__name__)
 
 
 def _junk(rng: random.Random, stolen: List[bytes]) -> bytes:
@@ -56,16 +59,21 @@ def fuzz_store(host: str, port: int, seconds: float, seed: int = 0, period_s: fl
     counts = {"writes": 0, "replays": 0, "rounds": 0}
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
-        for k in rng.sample(names, min(len(names), 40)):
-            if st.check([k]):
-                v = st.get(k)
-                if v.startswith(b"ps1.") and len(stolen) < 200:
-                    stolen.append(bytes(v))
-            v = _junk(rng, stolen)
-            if v in stolen:
-                counts["replays"] += 1
-            st.set(k, v)
-            counts["writes"] += 1
+        try:
+            for k in rng.sample(names, min(len(names), 40)):
+                if st.check([k]):
+                    v = st.get(k)
+                    if v.startswith(b"ps1.") and len(stolen) < 200:
+                        stolen.append(bytes(v))
+                v = _junk(rng, stolen)
+                if v in stolen:
+                    counts["replays"] += 1
+                st.set(k, v)
+                counts["writes"] += 1
+        except (RuntimeError, OSError) as exc:  # DistNetworkError: the job ended and its store with it
+            counts["store_gone"] = 1
+            log.info("fuzzer: the store went away after %d writes: %s", counts["writes"], str(exc).splitlines()[0])
+            break
         counts["rounds"] += 1
         time.sleep(period_s)
     return counts
