@@ -233,25 +233,32 @@ class GroupRegistry:
         """
         return self.commit(self.prepare(role, new_process))
 
-    def prepare(self, role: int, new_process: Optional[ProcessInfo] = None) -> "Pending":
-        """Phase 1: build the next generation's groups of this rank that hold ``role``.
+    def prepare(self, role, new_process: Optional[ProcessInfo] = None) -> "Pending":
+        """Phase 1: build the next generation's groups of this rank that hold ``role``
+        (one role, or a sequence of roles lost together: the union of their groups,
+        each group built once).
 
         Nothing is swapped: the current groups stay installed and usable, so this
         may run in a background thread while training goes on (a planned drain).
         """
-        if isinstance(role, bool) or not isinstance(role, int) or not 0 <= role < self.layout.world_size:
-            raise RosterError(f"role({role!r}) does not exist: roles are 0..{self.layout.world_size - 1}")
-        if role == self.rank:
+        roles = (role,) if isinstance(role, int) and not isinstance(role, bool) else tuple(role)
+        for r in roles:
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.layout.world_size:
+                raise RosterError(f"role({r!r}) does not exist: roles are 0..{self.layout.world_size - 1}")
+        if not roles or len(set(roles)) != len(roles):
+            raise RosterError(f"roles {list(roles)}: expected one or more distinct roles")
+        if self.rank in roles:
             raise RosterError(
-                f"rank {self.rank} is the role being replaced; the joiner builds a fresh "
+                f"rank {self.rank} is a role being replaced; the joiner builds a fresh "
                 f"GroupRegistry at generation {self.generation + 1}, the leaver leaves"
             )
         t0 = time.perf_counter()
         gen = self.generation + 1
-        plan = plan_replace(self.layout, (role,), self.generation, gen)
+        plan = plan_replace(self.layout, tuple(sorted(roles)), self.generation, gen)
         kinds = set(plan.rebuilt_kinds(self.rank))
-        who = new_process.describe() if new_process else "a new process"
-        log.info("[g%d r%d] prepare role %d for %s: building %s", gen, self.rank, role, who, sorted(kinds))
+        who = new_process.describe() if new_process else "new processes" if len(roles) > 1 else "a new process"
+        log.info("[g%d r%d] prepare role(s) %s for %s: building %s", gen, self.rank, ",".join(map(str, roles)),
+                 who, sorted(kinds))
         # built into a private view: the installed entries are never touched, so the
         # training thread may keep using them while this runs
         view = {k: v for k, v in self._entries.items() if k not in kinds}
@@ -263,7 +270,7 @@ class GroupRegistry:
                     self._destroy_entry(view[k])
             raise
         staged = {k: view[k] for k in kinds if k in view}
-        return Pending(role, self.generation, gen, staged, time.perf_counter() - t0)
+        return Pending(roles[0] if len(roles) == 1 else roles, self.generation, gen, staged, time.perf_counter() - t0)
 
     def commit(self, pending: "Pending") -> ReplaceReport:
         """Phase 2: swap in the groups built by :meth:`prepare`; retire the old ones."""

@@ -20,8 +20,9 @@ group plus its data-parallel group (``tp*pp + dp`` ranks at cp 1, ep 1), not 8,1
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
+from pitstop.errors import LayoutError
 from pitstop.layout import ParallelLayout
 from pitstop.roster import Roster
 
@@ -157,3 +158,32 @@ def plan_replace(
 def job_group_count(layout: ParallelLayout) -> int:
     """Communicators in the whole job (composites and aliases are not communicators)."""
     return sum(len(layout.group_ranks(k)) for k in comm_kinds(layout))
+
+
+def ring_neighbours(layout: ParallelLayout, kind: str, role: int) -> Tuple[int, int]:
+    """(next, previous) of ``role`` in its ``kind`` group, the buddy ring: the next one holds
+    this role's shard copy, the previous one's shard copy is held by this role."""
+    ring = layout.group_of(kind, role)
+    if ring is None:
+        raise LayoutError(f"role {role} has no {kind!r} group")
+    i = ring.index(role)
+    return ring[(i + 1) % len(ring)], ring[(i - 1) % len(ring)]
+
+
+def unrecoverable(layout: ParallelLayout, kind: str, lost: Sequence[int]) -> List[str]:
+    """Why the state of ``lost`` roles (lost together) cannot come from their peers; empty if it can.
+
+    A lost role's shard lives only in itself and in its ring successor's buddy copy: if
+    both are lost, so is the shard, and the job must fall back to a checkpoint. A ring of
+    one (no data-parallel peer) has no copy at all."""
+    gone = set(lost)
+    out = []
+    for r in sorted(gone):
+        ring = layout.group_of(kind, r)
+        if ring is None or len(ring) == 1:
+            out.append(f"role {r}: no data-parallel peer holds its shard (its {kind} group has 1 member)")
+            continue
+        nxt, _ = ring_neighbours(layout, kind, r)
+        if nxt in gone:
+            out.append(f"role {r}: its shard's only copy was on role {nxt}, lost in the same failure")
+    return out

@@ -189,10 +189,13 @@ HELLO = Schema("hello", {"pid": Field(int, lo=1, hi=2 ** 31), "host": Field(str,
 JOIN_VERDICT = Schema("join-verdict", {"ok": Field(bool), "reason": Field(str, required=False),
                                        "slot": Field(int, required=False, **NAT)})
 ASSIGN = Schema("assign", {"role": Field(int, **NAT), "generation": Field(int, **NAT),
+                           "roles": Field(list, required=False, max_len=4096),
                            "mode": Field(str, choices=("recover", "drain")),
                            "step": Field(int, required=False, **NAT),
                            "from_generation": Field(int, required=False, **NAT)})
-FAULT = Schema("fault", {"role": Field(int, required=False, **NAT), "generation": Field(int, required=False, **NAT),
+FAULT = Schema("fault", {"role": Field(int, required=False, **NAT), "roles": Field(list, required=False, max_len=4096),
+                         "joiners": Field(list, required=False, max_len=4096),
+                         "generation": Field(int, required=False, **NAT),
                          "step": Field(int, required=False, **NAT), "joiner": Field(str, required=False),
                          "fallback": Field(bool, required=False), "resume_step": Field(int, required=False, **NAT)})
 DRAIN = Schema("drain", {"role": Field(int, **NAT), "generation": Field(int, **NAT), "joiner": Field(str)})
@@ -211,6 +214,24 @@ WARM = Schema("warm", {"pid": Field(int, lo=1, hi=2 ** 31), "results": Field(lis
 VOTE = Schema("vote", {"verdict": Field(str, max_len=2048)})
 CLASSES = Schema("classes", {"classes": Field(list, max_len=4)})
 ROSTER = Schema("roster", {}, extra=True)
+LAYOUT = Schema("layout", {"world_size": Field(int, lo=1, hi=2 ** 24), "tp": Field(int, lo=1, hi=2 ** 24),
+                           "pp": Field(int, lo=1, hi=2 ** 24), "cp": Field(int, lo=1, hi=2 ** 24),
+                           "ep": Field(int, lo=1, hi=2 ** 24), "etp": Field(int, type(None), lo=1, hi=2 ** 24),
+                           "order": Field(str, max_len=64), "shard_kind": Field(str, max_len=32)})
+
+
+def role_list(body: Dict[str, Any], world: int) -> list:
+    """The roles a fault or assignment names (``roles``, or the older single ``role``),
+    each an int in ``[0, world)``, no repeats; ValueError naming the bad one if not."""
+    roles = body.get("roles")
+    if roles is None:
+        roles = [] if body.get("role") is None else [body["role"]]
+    for r in roles:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
+            raise ValueError(f"role {r!r}: expected an int in [0, {world})")
+    if len(set(roles)) != len(roles):
+        raise ValueError(f"roles {roles}: a role is named twice")
+    return sorted(roles)
 
 
 def check_timing(body: Dict[str, Any]) -> Dict[str, Any]:

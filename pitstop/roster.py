@@ -79,6 +79,24 @@ class Roster:
         standbys = tuple(p for p in self.standbys if p != new)
         return Roster(self.generation + 1, tuple(roles), standbys)
 
+    def replace_many(self, changes: "dict[int, ProcessInfo]") -> "Roster":
+        """Generation + 1 (once) with every ``role -> process`` of ``changes`` applied:
+        the roles of a lost machine, or ranks lost in the same step, change together."""
+        if not changes:
+            raise RosterError("replace_many: no role to replace")
+        new = list(changes.values())
+        if len(set(new)) != len(new):
+            raise RosterError(f"replace_many: one process for two roles ({[p.describe() for p in new]})")
+        roles = list(self.roles)
+        for role, p in changes.items():
+            self.check_role(role)
+            if p in self.roles and self.roles.index(p) not in changes:
+                raise RosterError(f"process {p.describe()} already plays role {self.roles.index(p)}; "
+                                  f"it cannot also take role {role}")
+            roles[role] = p
+        standbys = tuple(s for s in self.standbys if s not in new)
+        return Roster(self.generation + 1, tuple(roles), standbys)
+
     def with_standby(self, p: ProcessInfo) -> "Roster":
         """Generation + 1 with ``p`` added to the standby pool."""
         return _dc_replace(self, generation=self.generation + 1, standbys=self.standbys + (p,))

@@ -271,3 +271,41 @@ def test_param_source_skips_other_replaced_roles():
     assert plan.param_sources == {0: None, 2: None, 5: 7}
     lay = ParallelLayout(16, tp=2, pp=2)  # dp4: [0,2,4,6] ...
     assert plan_replace(lay, (0, 2)).param_sources == {0: 4, 2: 4}
+
+
+# --------------------------------------------------------------------------- several roles lost together
+def test_the_delta_of_several_roles_is_the_union_each_group_once():
+    """Every pair of roles of world 8 (tp2 pp2 dp2), and a whole two-rank machine: the plan's
+    communicators are exactly the union of the single-role plans, none twice."""
+    from itertools import combinations
+
+    from pitstop.plan import plan_replace
+
+    lay = ParallelLayout(8, tp=2, pp=2)
+    for a, b in combinations(range(8), 2):
+        both = plan_replace(lay, (a, b))
+        union = set(plan_replace(lay, (a,)).rebuilt) | set(plan_replace(lay, (b,)).rebuilt)
+        assert set(both.rebuilt) == union, (a, b)
+        assert len(both.rebuilt) == len(set(both.rebuilt)), (a, b)
+        assert both.ranks_involved == frozenset(r for g in union for r in g.ranks)
+        for r in range(8):  # every rank rebuilds exactly the kinds that hold a or b
+            if r in (a, b):
+                continue
+            want = {g.kind for g in union if r in g.ranks}
+            assert want <= set(both.rebuilt_kinds(r)), (a, b, r)
+
+
+def test_roles_whose_shard_copies_die_with_them_are_unrecoverable():
+    from pitstop.plan import ring_neighbours, unrecoverable
+
+    lay = ParallelLayout(8, tp=2, pp=2)          # dp-cp groups: {0,2} {1,3} {4,6} {5,7}
+    assert unrecoverable(lay, "dp-cp", (4, 5)) == []        # one machine of tp2: two dp groups
+    assert unrecoverable(lay, "dp-cp", (0, 5)) == []
+    bad = unrecoverable(lay, "dp-cp", (4, 6))
+    assert len(bad) == 2 and "role 4: its shard's only copy was on role 6" in bad[0], bad
+    assert ring_neighbours(lay, "dp-cp", 4) == (6, 6)
+    lay4 = ParallelLayout(8, tp=1, pp=2)         # dp 4: rings of four
+    assert unrecoverable(lay4, "dp-cp", (0, 2)) == []        # not neighbours: both copies survive
+    assert unrecoverable(lay4, "dp-cp", (0, 1)) == ["role 0: its shard's only copy was on role 1, lost in the same failure"]
+    lay1 = ParallelLayout(4, tp=2, pp=2)         # dp 1
+    assert "no data-parallel peer" in unrecoverable(lay1, "dp-cp", (3,))[0]

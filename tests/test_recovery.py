@@ -14,7 +14,7 @@ import pytest
 
 from pitstop.launch.controller import request_drain
 from pitstop.runtime.faults import Fault
-from pitstop.launch.runs import ROOT, run_job, wait_for_event, wait_for_step
+from pitstop.launch.runs import ROOT, run_job, wait_for_event, wait_for_step  # noqa: F401
 
 STEPS = 10
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -217,3 +217,58 @@ def test_junk_on_every_control_key_is_refused_and_a_killed_rank_is_still_replace
         assert needle in reasons, (needle, refused[:20])
     touched = {e["key"].split("/")[1] for e in refused}
     assert {"hb", "join", "apply"} <= touched, touched
+
+
+# --------------------------------------------------------------------------- correlated and overlapping failures
+def _pids_of_roles(run_dir, roles):
+    import json
+
+    roster = json.loads((run_dir / "roster.json").read_text())
+    return [roster["roles"][r]["pid"] for r in roles]
+
+
+def test_two_ranks_killed_at_once_are_replaced_together(reference, tmp_path):
+    """Ranks 4 and 5 (a tensor-parallel pair: one machine's two GPUs) are SIGKILLed at the same
+    moment after step 3. One fault names both, the delta is the union of their groups (each
+    built once), two standbys take both roles in one generation, and the run is bitwise."""
+    import os
+    import signal
+
+    from pitstop.launch.runs import wait_for_event
+
+    def during(run_dir):
+        wait_for_event(run_dir, "warmed", n=2)
+        wait_for_step(run_dir, 3)
+        for pid in _pids_of_roles(run_dir, (4, 5)):
+            os.kill(pid, signal.SIGKILL)
+
+    res = run_job(tmp_path / "run", STEPS, standby=2, during=during, launch_args=["--hold-for-warm", "30"])
+    assert_same_run(res, reference)
+    rep = res.of("replaced")
+    assert len(rep) == 1 and rep[0]["roles"] == [4, 5] and rep[0]["generation"] == 1, res.tails()
+    f = res.of("failure")
+    assert len(f) == 1 and f[0]["roles"] == [4, 5], res.tails()
+    assert not res.of("fallback"), res.tails()
+
+
+def test_a_joiner_killed_during_its_recovery_falls_back_to_the_checkpoint(reference, tmp_path):
+    """Rank 6 dies in the backward pass of step 5; while its replacement is under way the
+    joiner is SIGKILLed too. The half-built generation is abandoned: every worker restarts
+    from the last checkpoint (step 4), logged as an overlapping failure, and the run is
+    bitwise identical; nothing hangs."""
+    import os
+    import signal
+
+    from pitstop.launch.runs import wait_for_event
+
+    def during(run_dir):
+        wait_for_event(run_dir, "failure")  # roster.json already names the joiner of role 6
+        os.kill(_pids_of_roles(run_dir, (6,))[0], signal.SIGKILL)
+
+    fault = Fault.kill(rank=6).at(step=5, phase="backward")
+    res = run_job(tmp_path / "run", STEPS, standby=2, faults=fault.spec(), during=during,
+                  launch_args=["--save-interval", "2", "--no-warmup"])
+    fb = res.of("fallback")
+    assert len(fb) == 1 and "overlapping failure" in fb[0]["reason"] and fb[0]["resume_step"] == 4, res.tails()
+    assert res.of("abandoned") and not res.of("replaced"), res.tails()
+    assert_same_run(res, reference)

@@ -106,3 +106,18 @@ def test_world_size_and_describe(r0):
     assert r0.world_size == 8 and Roster(0, ()).world_size == 0
     assert ProcessInfo("h", 1).describe() == "h:1"
     assert ProcessInfo("h", 1, "h:2").describe() == "h:1@h:2"
+
+
+def test_replace_many_is_one_generation_for_a_machine(r0):
+    """A machine's two roles change together: one generation, both standbys leave the pool."""
+    r1 = r0.replace_many({4: SPARE_A, 5: SPARE_B})
+    assert r1.generation == 4 and r1.roles[4] == SPARE_A and r1.roles[5] == SPARE_B and r1.standbys == ()
+    assert r0.changed_roles(r1) == (4, 5)
+    with pytest.raises(RosterError, match="one process for two roles"):
+        r0.replace_many({4: SPARE_A, 5: SPARE_A})
+    with pytest.raises(RosterError, match="already plays role 1"):
+        r0.replace_many({4: ROLES[1]})
+    with pytest.raises(RosterError, match="no role"):
+        r0.replace_many({})
+    with pytest.raises(RosterError, match="role.8. does not exist"):
+        r0.replace_many({8: SPARE_A})

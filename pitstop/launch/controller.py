@@ -103,6 +103,9 @@ class Controller:
         self.apply_next = 1
         self.applicants: Dict[int, float] = {}        # unsolicited applicant -> when it was seen
         self.committed: Optional[tuple] = None        # (generation, step, time) of the last verified commit
+        self.lost: Dict[int, tuple] = {}               # role -> (proc, reason): gathered for SETTLE_S, then one failure
+        self.lost_at = 0.0
+        self.lost_detected = 0.0
         self.agent = Agent(self.run_dir)
         self.members: Dict[int, Member] = {}          # by slot
         self.by_pid: Dict[int, Proc] = {}
@@ -184,6 +187,7 @@ class Controller:
                     last_reassert = time.monotonic()
                 self._read_committed()
                 self._admit()
+                self._settle()
                 for p in self.agent.poll():
                     self._on_exit(p)
                 self._check_heartbeats()
@@ -314,6 +318,11 @@ class Controller:
         if p.pid in self.leavers:
             self.events.write("leaver-exit", pid=p.pid, exit=p.exit)
             return
+        if role is None and self.draining is not None and slot == self.draining["slot"]:
+            # the drain's joiner died before its switch: the stayers' background build waits on it
+            self._overlap(f"the joiner of the drain of role {self.draining['role']} ({p.name}, pid {p.pid}) "
+                          f"exited ({p.exit}) before its switch")
+            return
         if role is None:
             if p.exit != "0" and slot is None and p.name.startswith("w"):
                 # died before it even joined: nothing to take over from
@@ -331,7 +340,7 @@ class Controller:
                 self.events.write("done", generation=self.roster.generation if self.roster else None)
                 self.exit_code = 0
             return
-        self._failure(role, p, f"process {p.pid} {p.exit}")
+        self._lost(role, p, f"process {p.pid} {p.exit}")
 
     def _drop_standby(self, slot: int) -> None:
         if self.roster is not None:
@@ -357,8 +366,35 @@ class Controller:
                 m.last_beat = now + 3600
 
     # ------------------------------------------------------------------ unplanned
-    def _failure(self, role: int, p: Proc, reason: str) -> None:
-        t_detect = time.time()
+    #: Processes lost within this many seconds of the first are one failure (a machine's
+    #: ranks die within milliseconds of each other): one fault, one delta, one generation.
+    SETTLE_S = 0.15
+
+    def _lost(self, role: int, p: Proc, reason: str) -> None:
+        """A role's process is gone. Gather what else goes down with it, then act once."""
+        if self._in_change():
+            self._overlap(f"role {role} lost ({reason}) while the change to generation "
+                          f"{self.pending[0]['generation'] if self.pending else '?'} was under way")
+            return
+        if not self.lost:
+            self.lost_at = time.monotonic()
+            self.lost_detected = time.time()
+        self.lost[role] = (p, reason)
+
+    def _in_change(self) -> bool:
+        """A replacement or drain whose new generation has not committed a step yet."""
+        # a drain builds generation g+1 too: a replacement now would build the same generation's
+        # groups under the same store prefix, so a failure during a drain is an overlap as well
+        return any(ch["kind"] in ("unplanned", "planned") for ch in self.pending) or self.draining is not None
+
+    def _settle(self) -> None:
+        if self.lost and time.monotonic() - self.lost_at >= self.SETTLE_S:
+            lost, self.lost = self.lost, {}
+            self._failure(lost, self.lost_detected)
+
+    def _failure(self, lost: Dict[int, tuple], t_detect: float) -> None:
+        roles = sorted(lost)
+        reason = "; ".join(f"role {r}: {lost[r][1]}" for r in roles)
         g = self.roster.generation
         stamp = self.ch.read(keys.FAULT_FIRED, protocol.STAMP)
         fired = None if stamp is None else float(stamp["time"])
@@ -367,30 +403,72 @@ class Controller:
         if self.committed is None:
             # lost before the first step committed: the others may be stuck in a world
             # operation of their set-up, and there is no state to keep. Start over.
-            self.events.write("failure", role=role, reason=reason, step=0, generation=g)
-            self._restart_all(None, role, reason, t_detect, fired)
+            self.events.write("failure", role=roles[0], roles=roles, reason=reason, step=0, generation=g)
+            self._restart_all(None, roles[0], reason, t_detect, fired)
             return
-        step = self._resolve_step(g, {"role": role, "generation": g + 1})
-        if not self.pool:
-            self._fallback(role, reason, step, t_detect, fired)
+        step = self._resolve_step(g, {"roles": roles, "generation": g + 1})
+        why = self._unrecoverable(roles)
+        if why or len(self.pool) < len(roles):
+            self._fallback(roles, reason, step, t_detect, fired,
+                           why="; ".join(why) if why else f"{len(roles)} role(s) lost, {len(self.pool)} standby(s) left")
             return
-        slot = self._pick_standby()
-        joiner = self.members[slot]
-        fault = {"role": role, "generation": g + 1, "step": step, "joiner": joiner.info.describe()}
-        self.ch.put(keys.fault(g), fault)
-        self.ch.put(keys.assign(slot), {"role": role, "generation": g + 1, "mode": "recover", "step": step})
+        slots = {r: self._pick_standby() for r in roles}
+        joiners = {r: self.members[s].info for r, s in slots.items()}
+        self.ch.put(keys.fault(g), {"roles": roles, "generation": g + 1, "step": step,
+                                    "joiners": [joiners[r].describe() for r in roles]})
+        for r, slot in slots.items():
+            self.ch.put(keys.assign(slot), {"role": r, "roles": roles, "generation": g + 1, "mode": "recover", "step": step})
         t_plan = time.time()
-        old = self.roster.roles[role]
-        self.roster = self.roster.replace(role, joiner.info)
-        self.role_slots[role] = slot
+        old = {r: self.roster.roles[r].describe() for r in roles}
+        self.roster = self.roster.replace_many(joiners)
+        self.role_slots.update(slots)
         self._write_roster()
-        self.events.write("failure", role=role, reason=reason, step=step, generation=g,
+        self.events.write("failure", role=roles[0], roles=roles, reason=reason, step=step, generation=g,
                           detect_s=None if fired is None else round(t_detect - fired, 4),
-                          log=self.agent.log_paths(p)["stderr"])
-        self._start_standby()  # keep the pool full: the next failure finds a warm standby too
-        self.pending.append({"kind": "unplanned", "role": role, "generation": g + 1, "step": step,
-                             "old": old.describe(), "new": joiner.info.describe(), "fired": fired,
-                             "detected": t_detect, "planned": t_plan, "reason": reason, "warm": self._warm(slot)})
+                          log=[self.agent.log_paths(lost[r][0])["stderr"] for r in roles] if len(roles) > 1
+                          else self.agent.log_paths(lost[roles[0]][0])["stderr"])
+        for _ in roles:
+            self._start_standby()  # keep the pool full: the next failure finds a warm standby too
+        self.pending.append({"kind": "unplanned", "role": roles[0], "roles": roles, "generation": g + 1, "step": step,
+                             "old": old[roles[0]] if len(roles) == 1 else old,
+                             "new": joiners[roles[0]].describe() if len(roles) == 1 else {r: j.describe() for r, j in joiners.items()},
+                             "fired": fired, "detected": t_detect, "planned": t_plan, "reason": reason,
+                             "warm": all(self._warm(s) for s in slots.values())})
+
+    def _unrecoverable(self, roles: List[int]) -> List[str]:
+        """Why peers cannot give these roles their state (empty: they can), from the layout rank 0 published."""
+        lay = self.ch.read(keys.LAYOUT, protocol.LAYOUT)
+        if lay is None or len(roles) == 1:  # one role: its ring successor is alive by definition
+            return []
+        from pitstop.layout import ParallelLayout
+        from pitstop.plan import unrecoverable
+
+        try:
+            layout = ParallelLayout(lay["world_size"], tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
+                                    etp=lay["etp"], order=lay["order"])
+            return unrecoverable(layout, lay["shard_kind"], roles)
+        except (PitstopError, ValueError) as exc:
+            self.ch.refuse(keys.LAYOUT, f"not a layout pitstop can plan with: {exc}")
+            return []
+
+    def _overlap(self, reason: str) -> None:
+        """A failure during a change (a joiner, a stayer in the delta rebuild, a drain's joiner):
+        the half-built generation cannot be trusted, so every worker restarts from the last
+        checkpoint, or from scratch without one. Bitwise either way, and never a hang."""
+        from pitstop.runtime import checkpoint
+
+        save_dir = self.cfg.save_dir or str(self.run_dir / "checkpoints")
+        resume = checkpoint.latest_step(save_dir) if self.cfg.save_interval else None
+        self.events.write("fallback", mode="checkpoint-restart" if resume is not None else "restart-from-scratch",
+                          resume_step=resume, reason=f"overlapping failure: {reason}")
+        if self.roster is not None:
+            self.ch.put(keys.fault(self.roster.generation), {"fallback": True, "resume_step": resume or 0})
+        for ch in list(self.pending):
+            self.pending.remove(ch)
+            self.events.write("abandoned", change=ch["kind"], role=ch.get("role"), generation=ch["generation"], reason=reason)
+        self.draining = None
+        self.lost = {}
+        self._restart_all(resume, -1, reason, time.time(), None)
 
     def _resolve_step(self, g: int, fault: Dict[str, Any]) -> int:
         """The step that the failure discards: the first one without a verdict, settled atomically."""
@@ -418,36 +496,44 @@ class Controller:
     def _last_committed(self) -> int:
         return 0 if self.committed is None else self.committed[1]
 
-    def _fallback(self, role: int, reason: str, step: int, t_detect: float, fired: Optional[float]) -> None:
+    def _fallback(self, roles: List[int], reason: str, step: int, t_detect: float, fired: Optional[float],
+                  why: str = "no standby left") -> None:
         from pitstop.runtime import checkpoint
 
         g = self.roster.generation
         save_dir = self.cfg.save_dir or str(self.run_dir / "checkpoints")
         resume = checkpoint.latest_step(save_dir) if self.cfg.save_interval else None
-        self.events.write("failure", role=role, reason=reason, step=step, generation=g, standbys=0)
+        self.events.write("failure", role=roles[0], roles=roles, reason=reason, step=step, generation=g,
+                          standbys=len(self.pool))
         if resume is None:
-            self.events.write("failed", reason=f"role {role} lost, no standby left and no checkpoint "
+            self.events.write("failed", reason=f"role(s) {','.join(map(str, roles))} lost, {why}, and no checkpoint "
                                                 f"(save_interval={self.cfg.save_interval}, dir {save_dir})")
             self.exit_code = 1
             return
-        self.events.write("fallback", mode="checkpoint-restart", resume_step=resume, reason="no standby left")
+        self.events.write("fallback", mode="checkpoint-restart", resume_step=resume, reason=why)
         self.ch.put(keys.fault(g), {"fallback": True, "resume_step": resume})
-        self._restart_all(resume, role, reason, t_detect, fired)
+        self._restart_all(resume, roles[0], reason, t_detect, fired)
 
     def _restart_all(self, resume: Optional[int], role: int, reason: str, t_detect: float, fired: Optional[float]) -> None:
         """Stop every worker and start them all again (from checkpoint ``resume``, or from scratch)."""
         g = self.roster.generation if self.roster is not None else self.generation
         if resume is None:
-            self.events.write("restart", mode="from-scratch", reason=f"role {role} lost before the first step")
-        for m in list(self.members.values()):
-            if m.proc is not None and m.proc.running and not m.standby:
-                self.agent.kill(m.proc)
+            self.events.write("restart", mode="from-scratch", reason=f"role {role} lost before the first step"
+                              if role >= 0 else reason)
+        # every process but the idle standbys: workers, joiners that took a role, a drain's joiner
+        doomed = [m.proc for s, m in self.members.items() if s not in self.pool and m.proc is not None and m.proc.running]
+        doomed += [e["proc"] for e in self.expected.values() if not e["standby"] and e["proc"].running]
+        for p in doomed:
+            self.agent.kill(p)
         deadline = time.monotonic() + 30
-        while any(p.running for p in self.agent.procs.values() if p.name.startswith("w")) and time.monotonic() < deadline:
+        while any(p.running for p in doomed) and time.monotonic() < deadline:
             self.agent.poll()
             time.sleep(0.01)
-        for s in [s for s, m in self.members.items() if not m.standby]:
+        for s in [s for s in self.members if s not in self.pool]:
             del self.members[s]
+        for s in [s for s, e in self.expected.items() if not e["standby"]]:
+            del self.expected[s]
+        self.leavers.clear()
         self.role_slots.clear()
         self.finished.clear()
         self.epoch += 1
@@ -594,7 +680,8 @@ class Controller:
                 iters[r] = t
         ready = max([v.get("ready", 0) for v in timings.values()] or [t_commit or 0.0])
         after = (lambda t0: None if t_commit is None else round(t_commit - t0, 4))
-        ev: Dict[str, Any] = {"role": ch.get("role"), "generation": g, "step": ch["step"],
+        ev: Dict[str, Any] = {"role": ch.get("role"), "roles": ch.get("roles", [ch.get("role")]),
+                              "generation": g, "step": ch["step"],
                               "old": ch.get("old"), "new": ch.get("new"),
                               "swapped": sum(v.get("swapped", 0) for v in stayers),
                               "stale_refs": sum(v.get("stale", 0) for v in stayers)}

@@ -19,6 +19,7 @@ COMMITTED = "ctl/committed"                 # sealed {generation, step, time} of
 FAULT_FIRED = "ctl/fault/fired"             # sealed {time} a fault injector fired at
 WARM_ALL = "ctl/warm-all"                   # sealed flag: every standby of the first pool finished its warmup
 RECORD_CLASSES = "ctl/record/classes"       # sealed {classes}: the layout's role classes, set by the recorders
+LAYOUT = "ctl/layout"                       # sealed: the job's parallel layout and shard group kind, set by rank 0
 
 
 def join(i: int, what: str) -> str:        # hello | verdict, of a process the controller started as slot i
@@ -83,7 +84,7 @@ def warm(slot: int) -> str:                # sealed: what a standby's sandboxed 
 
 def all_patterns(generations=(0, 1, 2), steps=range(0, 12), slots=range(0, 16)):
     """Every concrete key name of this module for small parameters (the fuzz test's target list)."""
-    out = [ROSTER, APPLY_COUNT, DONE, DRAIN_REQUEST, COMMITTED, FAULT_FIRED, WARM_ALL, RECORD_CLASSES]
+    out = [ROSTER, APPLY_COUNT, DONE, DRAIN_REQUEST, COMMITTED, FAULT_FIRED, WARM_ALL, RECORD_CLASSES, LAYOUT]
     for i in slots:
         out += [join(i, "hello"), join(i, "verdict"), apply(i, "hello"), apply(i, "verdict"),
                 assign(i), heartbeat(i), warm(i), drain_payload(i)]

@@ -272,8 +272,8 @@ class Session:
         gen = self.gen
         if self._aborted_gen < gen:
             info = self._fault_info(ch, gen)
-            if info is not None and info.get("role") is not None:
-                self._abandon_delta(gen, info["role"])
+            if info is not None and info["roles"]:
+                self._abandon_delta(gen, info["roles"])
         if self._drain is None:
             info = ch.read(keys.drain(gen), protocol.DRAIN)
             if info is None:
@@ -287,16 +287,16 @@ class Session:
             self._drain["thread"] = t
             t.start()
 
-    def _abandon_delta(self, gen: int, role: int) -> None:
-        """Fail fast: mark this rank's groups that hold the failed role broken, so a
+    def _abandon_delta(self, gen: int, roles: List[int]) -> None:
+        """Fail fast: mark this rank's groups that hold a failed role broken, so a
         collective blocked on them returns now rather than at the timeout."""
         if not self._lock.acquire(blocking=False):  # recovery runs: it owns the groups now
             return
         try:
-            if self.gen != gen or self._aborted_gen >= gen or role == self.rank:
+            if self.gen != gen or self._aborted_gen >= gen or self.rank in roles:
                 return
             self._aborted_gen = gen
-            kinds = plan_replace(self.layout, (role,), gen, gen + 1).rebuilt_kinds(self.rank)
+            kinds = plan_replace(self.layout, tuple(roles), gen, gen + 1).rebuilt_kinds(self.rank)
             groups = [g for k in kinds if (e := self.registry.entry(k)) for g in (e.group, e.gloo)
                       if isinstance(g, pgmod.GuardedGroup)]
         finally:
@@ -310,11 +310,15 @@ class Session:
         info = ch.read(keys.fault(gen), protocol.FAULT)
         if info is None or info.get("fallback"):
             return info
-        if info.get("role") is None or info["role"] >= self.layout.world_size or info.get("generation") != gen + 1:
-            ch.refuse(keys.fault(gen), f"role {info.get('role')}, generation {info.get('generation')}: expected a "
-                                       f"role < {self.layout.world_size} and generation {gen + 1}")
+        try:
+            roles = protocol.role_list(info, self.layout.world_size)
+            if not roles or info.get("generation") != gen + 1:
+                raise ValueError(f"roles {roles}, generation {info.get('generation')}: expected at least one role "
+                                 f"and generation {gen + 1}")
+        except ValueError as exc:
+            ch.refuse(keys.fault(gen), str(exc))
             return None
-        return info
+        return {**info, "roles": roles}
 
     def _wait_fault(self) -> dict:
         deadline = time.monotonic() + self.cfg.collective_timeout_s * 2
@@ -357,18 +361,20 @@ class Session:
             self._info("no standby left: the controller restarts the job from the checkpoint of step %s", info.get("resume_step"))
             # the controller stops every process and restarts them; never hang here
             time.sleep(3600)
-        role, new_gen = info["role"], info["generation"]
+        roles, new_gen = info["roles"], info["generation"]
         t0 = time.perf_counter()
         self._aborted_gen = self.gen
         with self._lock:
             self._restore(self.snap)
             t_roll = time.perf_counter()
-            report, swapped = self._advance(self.registry.prepare(role))
+            report, swapped = self._advance(self.registry.prepare(roles))
             if self.gen != new_gen:
                 raise RecoveryError(f"{self.prefix()} advanced to generation {self.gen}, the controller announced {new_gen}")
             t_groups = time.perf_counter()
         ranks, group = self._shard_group()
-        if role in ranks and len(ranks) > 1:
+        for role in roles:  # the same order on every rank; each joiner receives from next, then previous
+            if role not in ranks or len(ranks) == 1:
+                continue
             nxt, prv = self._ring(ranks, role)
             if self.rank == nxt:
                 if self.buddy is None or self.buddy.step != step - 1:
@@ -387,8 +393,8 @@ class Session:
         self._report(self.gen, f"r{self.rank}", seen=t_seen, rollback_s=t_roll - t0, groups_s=t_groups - t_roll,
                      state_s=t_end - t_groups, transfer_s=t_state - t_groups, ready=time.time(),
                      rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped, stale=len(self.stale_refs))
-        self._info("recovered: role %d now played by a joiner; %d groups rebuilt, %d kept, %d references swapped",
-                   role, len(report.rebuilt), len(report.kept), swapped)
+        self._info("recovered: role(s) %s now played by joiners; %d groups rebuilt, %d kept, %d references swapped",
+                   ",".join(map(str, roles)), len(report.rebuilt), len(report.kept), swapped)
 
     # ------------------------------------------------------------------ planned: drain
     def _prepare_drain(self, d: Dict[str, Any]) -> None:
@@ -464,6 +470,11 @@ class Session:
                 self.first_step = loaded + 1
                 self._info("restarted from the checkpoint of step %d", loaded)
             self.data = self.make_data(self.first_step)
+            if self.rank == 0 and self.m.epoch == 0 and mode == "worker":  # what the controller plans with
+                lay = self.layout
+                self.ch.put(keys.LAYOUT, {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp,
+                                          "ep": lay.ep, "etp": lay.etp, "order": lay.order,
+                                          "shard_kind": self.fw.shard_kind})
             # the first rollback point and buddy copy: the state before the first step
             self.step = self.first_step - 1
             with sandbox.paused():  # pitstop's own exchange is not part of the script's iteration
