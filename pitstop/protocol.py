@@ -198,7 +198,8 @@ FAULT = Schema("fault", {"role": Field(int, required=False, **NAT), "roles": Fie
                          "generation": Field(int, required=False, **NAT),
                          "step": Field(int, required=False, **NAT), "joiner": Field(str, required=False),
                          "fallback": Field(bool, required=False), "resume_step": Field(int, required=False, **NAT)})
-DRAIN = Schema("drain", {"role": Field(int, **NAT), "generation": Field(int, **NAT), "joiner": Field(str)})
+DRAIN = Schema("drain", {"role": Field(int, **NAT), "roles": Field(list, required=False, max_len=4096),
+                         "generation": Field(int, **NAT), "joiner": Field(str)})
 DRAIN_REQUEST = Schema("drain-request", {"rank": Field(int, type(None), **NAT), "host": Field(str, type(None), max_len=255)})
 HEARTBEAT = Schema("heartbeat", {"n": Field(int, **NAT)})
 COMMITTED = Schema("committed", {"generation": Field(int, **NAT), "step": Field(int, **NAT), "time": Field(*_NUM, lo=0)})
@@ -218,6 +219,16 @@ LAYOUT = Schema("layout", {"world_size": Field(int, lo=1, hi=2 ** 24), "tp": Fie
                            "pp": Field(int, lo=1, hi=2 ** 24), "cp": Field(int, lo=1, hi=2 ** 24),
                            "ep": Field(int, lo=1, hi=2 ** 24), "etp": Field(int, type(None), lo=1, hi=2 ** 24),
                            "order": Field(str, max_len=64), "shard_kind": Field(str, max_len=32)})
+
+
+NODE_HELLO = Schema("node-hello", {"node": Field(int, lo=0, hi=2 ** 20), "host": Field(str, max_len=255),
+                                   "addr": Field(str, max_len=255), "nproc": Field(int, lo=1, hi=4096),
+                                   "pid": Field(int, lo=1, hi=2 ** 31)})
+NODE_CMD = Schema("node-cmd", {"op": Field(str, choices=("start", "kill")), "name": Field(str, max_len=64),
+                               "env": Field(dict, required=False, max_len=256),
+                               "sig": Field(int, required=False, lo=1, hi=64)})
+NODE_STARTED = Schema("node-started", {"pid": Field(int, lo=1, hi=2 ** 31)})
+NODE_EXIT = Schema("node-exit", {"pid": Field(int, type(None), lo=1, hi=2 ** 31), "exit": Field(str, max_len=200)})
 
 
 def role_list(body: Dict[str, Any], world: int) -> list:

@@ -75,7 +75,9 @@ def test_errors_form_one_hierarchy():
 @pytest.mark.parametrize("argv, message", [
     (["launch", "--nproc-per-node", "0", "--", "examples/train_gpt.py"], "--nproc-per-node: '0': expected an integer >= 1"),
     (["launch", "--nproc-per-node", "2", "--standby", "-1", "--", "examples/train_gpt.py"], "--standby: '-1': expected an integer >= 0"),
-    (["launch", "--nproc-per-node", "2", "--nnodes", "2", "--", "examples/train_gpt.py"], "--nnodes(2)"),
+    (["launch", "--nproc-per-node", "2", "--nnodes", "2", "--", "examples/train_gpt.py"], "--nnodes 2: give --rdzv-endpoint HOST:PORT"),
+    (["launch", "--nproc-per-node", "2", "--nnodes", "3:2", "--", "examples/train_gpt.py"], "MAX(2) must be >= MIN(3)"),
+    (["launch", "--nproc-per-node", "2", "--nnodes", "2:3", "--node-rank", "3", "--", "examples/train_gpt.py"], "--node-rank(3): expected 0..2"),
     (["launch", "--nproc-per-node", "2", "--", "no_such_script.py"], "'no_such_script.py' does not exist"),
     (["launch", "--nproc-per-node", "2"], "no training script given"),
     (["launch", "--nproc-per-node", "2", "--heartbeat-timeout", "500", "--", "examples/train_gpt.py"],

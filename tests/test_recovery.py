@@ -272,3 +272,65 @@ def test_a_joiner_killed_during_its_recovery_falls_back_to_the_checkpoint(refere
     assert len(fb) == 1 and "overlapping failure" in fb[0]["reason"] and fb[0]["resume_step"] == 4, res.tails()
     assert res.of("abandoned") and not res.of("replaced"), res.tails()
     assert_same_run(res, reference)
+
+
+# --------------------------------------------------------------------------- machines, not processes
+def _machines(tmp_path, during, launch_args=()):
+    """World 8 (tp2 pp2 dp2) on four "machines" of two processes plus one standby machine: five
+    real `pitstop launch` processes, each bound to its own loopback address (127.0.0.2-6)."""
+    from pitstop.launch.runs import start_machines
+
+    m = start_machines(tmp_path / "run", STEPS, "4:5",
+                       launch_args=["--heartbeat-timeout", "10", "--hold-for-warm", "120", *launch_args])
+    try:
+        during(m)
+    except BaseException:
+        res = m.wait(5)
+        print(res.tails())
+        raise
+    return m.wait(600)
+
+
+def test_a_machine_failure_moves_its_roles_to_a_standby_machine(reference, tmp_path):
+    """SIGKILL of machine 2's agent process group (127.0.0.4: roles 4 and 5, a tensor-parallel
+    pair) after step 3. Its agent's heartbeat stops, the machine is lost within the heartbeat
+    timeout, and the standby machine (127.0.0.6) takes both roles at once in local-rank order;
+    the run is bitwise identical to the uninterrupted single-host one."""
+    from pitstop.launch.runs import machine_addr, wait_for_event
+
+    def during(m):
+        wait_for_event(m.run_dir, "warmed", n=2, timeout=400)
+        wait_for_step(m.run_dir, 3, timeout=400)
+        m.kill_machine(2)
+
+    res = _machines(tmp_path, during)
+    assert_same_run(res, reference)
+    lost = res.of("machine-lost")
+    assert len(lost) == 1 and lost[0]["node"] == 2 and lost[0]["roles"] == [4, 5], res.tails()
+    assert lost[0]["silent_s"] < 10 + 3, lost
+    rep = res.of("replaced")
+    assert len(rep) == 1 and rep[0]["roles"] == [4, 5] and rep[0]["generation"] == 1, res.tails()
+    new = rep[0]["new"]  # both on the standby machine, local rank order kept (lower pid started first)
+    assert {v.split(":")[0] for v in new.values()} == {machine_addr(4)}, new
+    assert int(new["4"].split(":")[1]) < int(new["5"].split(":")[1]), new
+
+
+def test_a_host_drain_moves_a_machine_onto_the_standby_machine(reference, tmp_path):
+    """`pitstop drain --host 127.0.0.5` (machine 3: roles 6 and 7) while training runs: both
+    roles move to the standby machine in one two-phase move (the joiners and the delta build
+    the next generation while training goes on; one switch at a boundary), training paused
+    at most a steady iteration + 0.5 s, bitwise identical."""
+    from pitstop.launch.controller import request_drain
+    from pitstop.launch.runs import machine_addr, wait_for_event
+
+    def during(m):  # asked for while training holds after the recorded step 1 for the standbys' warmup
+        wait_for_event(m.run_dir, "recorded", n=2, timeout=400)
+        request_drain(m.run_dir, host=machine_addr(3))
+
+    res = _machines(tmp_path, during)
+    assert_same_run(res, reference)
+    d = res.of("drained")
+    assert len(d) == 1 and d[0]["roles"] == [6, 7] and d[0]["generation"] == 1, res.tails()
+    assert {v.split(":")[0] for v in d[0]["new"].values()} == {machine_addr(4)}, d
+    assert d[0]["pause_s"] is not None and d[0]["steady_iter_s"] is not None, d
+    assert d[0]["pause_s"] <= d[0]["steady_iter_s"] + 0.5, d

@@ -73,7 +73,14 @@ def _parser() -> argparse.ArgumentParser:
 
     la = sub.add_parser("launch", help="run a training script with a controller, standbys and heartbeats")
     la.add_argument("--nproc-per-node", type=_count(1), required=True, help="workers on this machine")
-    la.add_argument("--nnodes", type=_count(1), default=1, help="machines (one agent each); 1 is what runs today")
+    la.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
+                    help="machines, one agent each: N train; MIN:MAX adds MAX-MIN standby machines "
+                         "(default 1, or SLURM_NNODES under srun)")
+    la.add_argument("--node-rank", type=_count(0), default=None,
+                    help="this machine's rank: 0 runs the controller (default 0, or SLURM_NODEID under srun)")
+    la.add_argument("--local-addr", default=None, metavar="ADDR",
+                    help="this machine's address: its processes' gloo groups listen there (default: the "
+                         "--rdzv-endpoint host on the head, 127.0.0.1 otherwise)")
     la.add_argument("--standby", type=_count(0), default=None, help="warm standby processes (default 0, or the "
                     "DeepSpeed config's pitstop.standby)")
     la.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", type=_endpoint,
@@ -150,6 +157,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--configs", default="tp2,pp2,dp2", help="comma-separated subset of tp2,pp2,dp2 (empty: none)")
     e.add_argument("--no-scale", action="store_true", help="skip the world-8192 row")
     e.add_argument("--run-dir", default="runs/bench-emulation")
+    mc = bsub.add_parser("machines", help="a machine failure and a host drain on 4+1 machines (one launch each) "
+                         "vs a checkpoint restart of every machine; overlapping failures")
+    mc.add_argument("--json", action="store_true")
+    mc.add_argument("--steps", type=_count(8), default=10)
+    mc.add_argument("--run-dir", default="runs/bench-machines")
     c = bsub.add_parser("control", help="junk on every control key while a job loses a rank: refused, job bitwise")
     c.add_argument("--json", action="store_true")
     c.add_argument("--steps", type=_count(6), default=10)
@@ -178,6 +190,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             if not Path(args.run_dir).is_dir():
                 raise PitstopError(f"--run-dir {args.run_dir!r}: no such run directory (give the one `pitstop launch --run-dir` used)")
             print(status_table(args.run_dir, args.last))
+            return 0
+        if args.cmd == "bench" and args.bench == "machines":
+            from pitstop.launch.bench_machines import bench_machines
+
+            out = bench_machines(steps=args.steps, run_dir=args.run_dir)
+            print(json.dumps(out) if args.json else json.dumps(out, indent=2))
             return 0
         if args.cmd == "bench" and args.bench == "control":
             from pitstop.launch.bench_control import bench_control
@@ -276,12 +294,31 @@ def _launch(args) -> int:
     )
     import os
 
+    from pitstop.launch.nodes import Nodes, from_slurm
+
+    slurm = from_slurm(os.environ)
+    nnodes = args.nnodes or (str(slurm.nnodes) if slurm else "1")
+    node_rank = args.node_rank if args.node_rank is not None else (slurm.node_rank if slurm else 0)
+    endpoint = args.rdzv_endpoint or (f"{slurm.head}:29400" if slurm and Nodes.parse(nnodes).max > 1 else None)
     env = {k: v for k, v in os.environ.items() if k == "PITSTOP_FAULT"}
-    spec = LaunchSpec(script, args.nproc_per_node, v["standby"], args.nnodes, args.rdzv_endpoint,
-                      Path(args.run_dir), cfg, env)
+    spec = LaunchSpec(script, args.nproc_per_node, v["standby"], nnodes, endpoint,
+                      Path(args.run_dir), cfg, env, local_addr=args.local_addr)
+    spec.nodes.check_rank(node_rank)
     if not Path(script[0]).exists():
         raise PitstopError(f"training script {script[0]!r} does not exist")
     _check_layout(script[1:], spec.world_size)
+    if spec.multi_node and not endpoint:
+        raise PitstopError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the head machine's address "
+                           "(every machine's launch uses the same one)")
+    if node_rank > 0:  # not the head: this machine's agent only
+        from pitstop.launch.node_agent import NodeAgent, setup_logging
+        from pitstop.protocol import take_token_from_env
+        from pitstop.store import parse_endpoint
+
+        host, port = parse_endpoint(endpoint)
+        setup_logging()
+        return NodeAgent(node_rank, args.local_addr or "127.0.0.1", args.nproc_per_node, script, Path(args.run_dir),
+                         host, port, take_token_from_env(), cfg.heartbeat_interval_s).run()
     return Controller(spec).run()
 
 

@@ -19,6 +19,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,8 @@ from pitstop import protocol
 from pitstop.errors import PitstopError
 from pitstop.launch.agent import Agent, Proc
 from pitstop.launch.events import CONTROLLER, ROSTER, EventLog, write_private
+from pitstop.launch.nodes import Nodes
+from pitstop.launch.remote import RemoteAgents
 from pitstop.launch.local import worker_env
 from pitstop.protocol import ENV_TOKEN, Channel, Refused, new_token
 from pitstop.roster import ProcessInfo, Roster
@@ -49,29 +53,32 @@ class LaunchSpec:
     """The training script and its arguments."""
     nproc_per_node: int
     standby: int = 0
-    nnodes: int = 1
+    nnodes: Any = 1
+    """Machines: an int, or ``"MIN:MAX"`` (MAX - MIN standby machines); parsed into :class:`Nodes`."""
     rdzv_endpoint: Optional[str] = None
     run_dir: Path = Path("runs/latest")
     config: RuntimeConfig = field(default_factory=RuntimeConfig)
     env: Dict[str, str] = field(default_factory=dict)
     """Extra environment for every process (e.g. ``PITSTOP_FAULT``)."""
+    local_addr: Optional[str] = None
+    """This machine's address (its gloo groups listen there); default: the store's host."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise PitstopError(f"--nproc-per-node({self.nproc_per_node}) must be >= 1")
         if self.standby < 0:
             raise PitstopError(f"--standby({self.standby}) must be >= 0")
-        if self.nnodes != 1:
-            raise PitstopError(
-                f"--nnodes({self.nnodes}): this controller runs the single-machine agent only; "
-                "multi-node (one agent per node under srun) is not implemented yet"
-            )
+        self.nodes = self.nnodes if isinstance(self.nnodes, Nodes) else Nodes.parse(str(self.nnodes))
         if not self.argv:
             raise PitstopError("no training script given: pitstop launch [options] -- SCRIPT ARGS...")
 
     @property
     def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
+        return self.nproc_per_node * self.nodes.min
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes.max > 1
 
 
 @dataclass
@@ -80,6 +87,10 @@ class Member:
     proc: Optional[Proc]
     info: ProcessInfo
     standby: bool
+    node: int = 0
+    """The machine (agent) the process runs on."""
+    machine: bool = False
+    """One of a standby machine's standbys (not refilled: a machine is not ours to restart)."""
     beats: int = -1
     last_beat: float = field(default_factory=time.monotonic)
 
@@ -96,6 +107,12 @@ class Controller:
         self.store = host_store(host, port)
         self.host, self.port = host, self.store.port
         self.token = new_token()
+        if spec.multi_node:  # every machine's agent must hold the same secret: it comes from the environment
+            self.token = os.environ.get(ENV_TOKEN, "")
+            if len(self.token) < 32:
+                raise PitstopError(f"--nnodes {spec.nodes.min}:{spec.nodes.max}: set {ENV_TOKEN} to the same secret "
+                                   f"of at least 32 characters on every machine (e.g. `export {ENV_TOKEN}=$(openssl "
+                                   "rand -hex 32)` before srun)")
         self.events = EventLog(self.run_dir)
         self.ch = Channel(self.store, self.token, self._refused)
         self.next_slot = 1
@@ -106,9 +123,9 @@ class Controller:
         self.lost: Dict[int, tuple] = {}               # role -> (proc, reason): gathered for SETTLE_S, then one failure
         self.lost_at = 0.0
         self.lost_detected = 0.0
-        self.agent = Agent(self.run_dir)
+        self.agent: Any = (RemoteAgents(self.ch, self.run_dir, spec.nodes.max, self.cfg.heartbeat_timeout_s,
+                                        self._node_lost) if spec.multi_node else Agent(self.run_dir))
         self.members: Dict[int, Member] = {}          # by slot
-        self.by_pid: Dict[int, Proc] = {}
         self.roster: Optional[Roster] = None
         self.role_slots: Dict[int, int] = {}          # role -> slot
         self.pool: List[int] = []                     # standby slots, in join order
@@ -116,7 +133,7 @@ class Controller:
         self.generation = 0
         self.next_join = 1
         self.pending: List[Dict[str, Any]] = []       # changes waiting for their first step after
-        self.drain_queue: List[int] = []
+        self.drain_queue: List[tuple] = []             # (roles, standby machine or None): one move each
         self.drain_waiting: set = set()
         self.draining: Optional[Dict[str, Any]] = None
         self.leavers: set = set()
@@ -128,6 +145,7 @@ class Controller:
         self.warm_seen: set = set()                   # standby slots whose warmup report was logged
         self._warm_check = 0.0
         self.warm_all = False
+        self.standbys_taken = 0
         # mode 0600: it holds the job token, which `pitstop drain` needs to sign its request
         write_private(self.run_dir / CONTROLLER, json.dumps({"host": self.host, "port": self.port, "pid": os.getpid(),
                                                              "token": self.token}))
@@ -153,32 +171,57 @@ class Controller:
         self.next_slot += 1
         return self.next_slot - 1
 
+    def _spawn(self, name: str, env: Dict[str, str], node: int):
+        if self.spec.multi_node:
+            return self.agent.start(name, env, node)
+        return self.agent.start(name, self.spec.argv, env)
+
     def _start_worker(self, rank: int, extra: Optional[Dict[str, str]] = None) -> Proc:
         name = f"w{rank}" + (f"-e{self.epoch}" if self.epoch else "")
         slot = self._new_slot()
-        p = self.agent.start(name, self.spec.argv, self._env(rank, {**(extra or {}), ENV_SLOT: str(slot)}))
-        self.by_pid[p.pid] = p
-        self.expected[slot] = {"proc": p, "standby": False, "rank": rank}
+        node = self.spec.nodes.node_of(rank, self.spec.nproc_per_node)
+        p = self._spawn(name, self._env(rank, {**(extra or {}), ENV_SLOT: str(slot)}), node)
+        self.expected[slot] = {"proc": p, "standby": False, "rank": rank, "node": node}
         return p
 
-    def _start_standby(self) -> Proc:
+    def _start_standby(self, node: int = 0, local_rank: int = 0, machine: bool = False) -> Proc:
+        """A standby process: on the head (refilled when used), or one of a standby machine's."""
         self.sb_count += 1
         slot = self._new_slot()
-        env = self._env(0, {ENV_STANDBY: "1", "RANK": "-1", ENV_SLOT: str(slot)})
+        env = self._env(0, {ENV_STANDBY: "1", "RANK": "-1", ENV_SLOT: str(slot), "LOCAL_RANK": str(local_rank)})
         env.pop("PITSTOP_FAULT", None)
-        p = self.agent.start(f"sb{self.sb_count}", self.spec.argv, env)
-        self.by_pid[p.pid] = p
-        self.expected[slot] = {"proc": p, "standby": True, "rank": None}
+        p = self._spawn(f"sb{self.sb_count}" + (f"-n{node}" if machine else ""), env, node)
+        self.expected[slot] = {"proc": p, "standby": True, "rank": None, "node": node, "machine": machine}
         return p
+
+    def _start_head_agent(self):
+        """This machine's agent, a process of its own like every other machine's (node rank 0)."""
+        env = dict(os.environ, **{ENV_TOKEN: self.token})
+        cmd = [sys.executable, "-m", "pitstop.launch.node_agent", "--node", "0", "--addr", self.spec.local_addr or self.host,
+               "--nproc", str(self.spec.nproc_per_node), "--run-dir", str(self.run_dir), "--store",
+               f"{self.host}:{self.port}", "--heartbeat-interval", str(self.cfg.heartbeat_interval_s), "--",
+               *self.spec.argv]
+        log_path = self.run_dir / "logs" / "agent-0.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _node_lost(self, node: int, silent_s: float) -> None:
+        self.events.write("machine-lost", node=node, silent_s=round(silent_s, 2),
+                          roles=sorted(r for r, s in self.role_slots.items() if self.members[s].node == node))
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
         self.events.write("launch", world_size=self.spec.world_size, standby=self.spec.standby,
                           store=f"{self.host}:{self.port}", argv=self.spec.argv)
+        head_agent = self._start_head_agent() if self.spec.multi_node else None
         for r in range(self.spec.world_size):
             self._start_worker(r)
         for _ in range(self.spec.standby):
             self._start_standby()
+        for k in range(self.spec.nodes.min, self.spec.nodes.max):  # standby machines
+            for i in range(self.spec.nproc_per_node):
+                self._start_standby(node=k, local_rank=i, machine=True)
         try:
             last_reassert = 0.0
             while self.exit_code is None:
@@ -199,6 +242,11 @@ class Controller:
             self.ch.put(keys.DONE, {"set": True})
             time.sleep(0.2)
             self.agent.close()
+            if head_agent is not None:  # it sees ctl/done and stops its processes
+                try:
+                    head_agent.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    head_agent.kill()
         return self.exit_code
 
     # ------------------------------------------------------------------ admission
@@ -218,7 +266,9 @@ class Controller:
                 continue
             del self.expected[slot]
             self.ch.put(keys.join(slot, "verdict"), {"ok": True, "slot": slot})
-            m = Member(slot, exp["proc"], ProcessInfo(hello["host"], exp["proc"].pid), exp["standby"])
+            pid = exp["proc"].pid if exp["proc"].pid is not None else hello["pid"]  # a remote agent's child
+            m = Member(slot, exp["proc"], ProcessInfo(hello["host"], pid), exp["standby"], node=exp.get("node", 0),
+                       machine=exp.get("machine", False))
             self.members[slot] = m
             if m.standby:
                 self.pool.append(slot)
@@ -283,9 +333,9 @@ class Controller:
         tmp.write_text(text)
         tmp.replace(self.run_dir / ROSTER)
 
-    def _slot_of_pid(self, pid: int) -> Optional[int]:
+    def _slot_of_proc(self, p: Proc) -> Optional[int]:
         for s, m in self.members.items():
-            if m.proc is not None and m.proc.pid == pid:
+            if m.proc is p:
                 return s
         return None
 
@@ -301,26 +351,26 @@ class Controller:
             if exp["proc"] is p and exp["standby"]:
                 del self.expected[s]
                 self.events.write("standby-lost", slot=s, pid=p.pid, exit=p.exit, log=self.agent.log_paths(p)["stderr"])
-                if self.exit_code is None:
+                if self.exit_code is None and not exp.get("machine"):
                     self._start_standby()
                 return
             if exp["proc"] is p:
                 del self.expected[s]
-        slot = self._slot_of_pid(p.pid)
+        slot = self._slot_of_proc(p)
         role = self._role_of_slot(slot) if slot is not None else None
         if slot is not None and slot in self.pool:
             self.pool.remove(slot)
             self._drop_standby(slot)
             self.events.write("standby-lost", slot=slot, pid=p.pid, exit=p.exit, log=self.agent.log_paths(p)["stderr"])
-            if self.exit_code is None:
+            if self.exit_code is None and not self.members[slot].machine:
                 self._start_standby()
             return
-        if p.pid in self.leavers:
+        if p.name in self.leavers:
             self.events.write("leaver-exit", pid=p.pid, exit=p.exit)
             return
-        if role is None and self.draining is not None and slot == self.draining["slot"]:
-            # the drain's joiner died before its switch: the stayers' background build waits on it
-            self._overlap(f"the joiner of the drain of role {self.draining['role']} ({p.name}, pid {p.pid}) "
+        if role is None and self.draining is not None and slot in self.draining["slots"].values():
+            # a drain's joiner died before its switch: the stayers' background build waits on it
+            self._overlap(f"a joiner of the drain of role(s) {self.draining['roles']} ({p.name}, pid {p.pid}) "
                           f"exited ({p.exit}) before its switch")
             return
         if role is None:
@@ -412,7 +462,7 @@ class Controller:
             self._fallback(roles, reason, step, t_detect, fired,
                            why="; ".join(why) if why else f"{len(roles)} role(s) lost, {len(self.pool)} standby(s) left")
             return
-        slots = {r: self._pick_standby() for r in roles}
+        slots = self._pick_standbys(roles)
         joiners = {r: self.members[s].info for r, s in slots.items()}
         self.ch.put(keys.fault(g), {"roles": roles, "generation": g + 1, "step": step,
                                     "joiners": [joiners[r].describe() for r in roles]})
@@ -427,8 +477,9 @@ class Controller:
                           detect_s=None if fired is None else round(t_detect - fired, 4),
                           log=[self.agent.log_paths(lost[r][0])["stderr"] for r in roles] if len(roles) > 1
                           else self.agent.log_paths(lost[roles[0]][0])["stderr"])
-        for _ in roles:
-            self._start_standby()  # keep the pool full: the next failure finds a warm standby too
+        for s in slots.values():
+            if not self.members[s].machine:
+                self._start_standby()  # keep the pool full: the next failure finds a warm standby too
         self.pending.append({"kind": "unplanned", "role": roles[0], "roles": roles, "generation": g + 1, "step": step,
                              "old": old[roles[0]] if len(roles) == 1 else old,
                              "new": joiners[roles[0]].describe() if len(roles) == 1 else {r: j.describe() for r, j in joiners.items()},
@@ -555,10 +606,15 @@ class Controller:
             if req is None:  # refused (logged) or never written
                 continue
             roles = self._roles_for(req)
-            self.events.write("drain-request", request=req, roles=roles)
-            self.drain_queue.extend(roles)
-        if self.draining is None and self.drain_queue and self.roster is not None and not self.pending:
-            self._start_drain(self.drain_queue.pop(0))
+            via = self._standby_machine(len(roles)) if req.get("host") is not None and roles else None
+            self.events.write("drain-request", request=req, roles=roles, standby_machine=via)
+            if via is not None:  # a whole machine onto a standby machine: one two-phase move
+                self.drain_queue.append((roles, via))
+            else:
+                self.drain_queue.extend(([r], None) for r in roles)
+        if (self.draining is None and self.drain_queue and self.roster is not None and not self.pending
+                and not self.lost):
+            self._start_drain(*self.drain_queue.pop(0))
         if self.draining is not None:
             self._drain_progress()
 
@@ -575,43 +631,62 @@ class Controller:
             self.events.write("drain-refused", reason=f"no role runs on host {host!r}")
         return roles
 
-    def _start_drain(self, role: int) -> None:
-        if not self.pool:  # wait for the pool to refill rather than refuse
-            if role not in self.drain_waiting:
-                self.drain_waiting.add(role)
-                self.events.write("drain-waiting", role=role, reason="no warm standby yet; waiting for the pool to refill")
-            self.drain_queue.insert(0, role)
+    def _start_drain(self, roles: List[int], via: Optional[int] = None) -> None:
+        """Phase 1 of a drain of ``roles`` (one rank, or a whole machine's onto a standby machine)."""
+        if via is not None and sum(1 for s in self.pool if self.members[s].node == via) < len(roles):
+            via = None  # the standby machine is gone: per-role moves onto any standby
+            self.drain_queue[:0] = [([r], None) for r in roles[1:]]
+            roles = roles[:1]
+        if len(self.pool) < len(roles):  # wait for the pool to refill rather than refuse
+            key = tuple(roles)
+            if key not in self.drain_waiting:
+                self.drain_waiting.add(key)
+                self.events.write("drain-waiting", role=roles[0], roles=roles,
+                                  reason="no warm standby yet; waiting for the pool to refill")
+            self.drain_queue.insert(0, (roles, via))
             return
-        self.drain_waiting.discard(role)
+        self.drain_waiting.discard(tuple(roles))
         g = self.roster.generation
-        slot = self._pick_standby()
-        joiner = self.members[slot]
-        self.ch.put(keys.drain(g), {"role": role, "generation": g + 1, "joiner": joiner.info.describe()})
-        self.ch.put(keys.assign(slot), {"role": role, "generation": g + 1, "mode": "drain", "from_generation": g})
-        leaver_slot = self.role_slots[role]
-        self.draining = {"role": role, "gen": g, "slot": slot, "leaver": leaver_slot, "t0": time.time(),
-                         "old": self.roster.roles[role].describe(), "new": joiner.info.describe(), "warm": self._warm(slot)}
-        self.events.write("drain-prepare", role=role, generation=g, joiner=joiner.info.describe())
-        self._start_standby()
+        slots = {r: self._pick_standby(via) for r in sorted(roles)}
+        joiners = {r: self.members[s].info for r, s in slots.items()}
+        self.ch.put(keys.drain(g), {"role": roles[0], "roles": sorted(roles), "generation": g + 1,
+                                    "joiner": joiners[roles[0]].describe()})
+        for r, slot in slots.items():
+            self.ch.put(keys.assign(slot), {"role": r, "roles": sorted(roles), "generation": g + 1, "mode": "drain",
+                                            "from_generation": g})
+        self.draining = {"role": roles[0], "roles": sorted(roles), "gen": g, "slots": slots,
+                         "leavers": {r: self.role_slots[r] for r in roles}, "t0": time.time(),
+                         "old": {r: self.roster.roles[r].describe() for r in roles},
+                         "new": {r: j.describe() for r, j in joiners.items()},
+                         "warm": all(self._warm(s) for s in slots.values())}
+        self.events.write("drain-prepare", role=roles[0], roles=sorted(roles), generation=g,
+                          joiner=joiners[roles[0]].describe(), standby_machine=via)
+        for s in slots.values():
+            if not self.members[s].machine:
+                self._start_standby()
 
     def _drain_progress(self) -> None:
         d = self.draining
         g = d["gen"]
         if "ready" not in d and self.ch.read(keys.drain_ready(g), protocol.FLAG) is not None:
             d["ready"] = time.time()
-            self.events.write("drain-ready", role=d["role"], prepare_s=round(d["ready"] - d["t0"], 4))
+            self.events.write("drain-ready", role=d["role"], roles=d["roles"], prepare_s=round(d["ready"] - d["t0"], 4))
         sw = self.ch.read(keys.drain_switch(g), protocol.DRAIN_SWITCH)
         if sw is not None:
             step_s, t_switch = sw["step"], sw["time"]
-            leaver = self.members[d["leaver"]]
-            if leaver.proc is not None:
-                self.leavers.add(leaver.proc.pid)
-            joiner = self.members[d["slot"]]
-            self.roster = self.roster.replace(d["role"], joiner.info)
-            self.role_slots[d["role"]] = d["slot"]
+            for leaver_slot in d["leavers"].values():
+                leaver = self.members[leaver_slot]
+                if leaver.proc is not None:
+                    self.leavers.add(leaver.proc.name)
+            self.roster = self.roster.replace_many({r: self.members[s].info for r, s in d["slots"].items()})
+            self.role_slots.update(d["slots"])
             self._write_roster()
-            self.pending.append({"kind": "planned", "role": d["role"], "generation": g + 1, "step": int(step_s) + 1,
-                                 "old": d["old"], "new": d["new"], "requested": d["t0"], "ready_at": d.get("ready"), "warm": d.get("warm"),
+            one = len(d["roles"]) == 1
+            self.pending.append({"kind": "planned", "role": d["role"], "roles": d["roles"], "generation": g + 1,
+                                 "step": int(step_s) + 1,
+                                 "old": d["old"][d["role"]] if one else d["old"],
+                                 "new": d["new"][d["role"]] if one else d["new"],
+                                 "requested": d["t0"], "ready_at": d.get("ready"), "warm": d.get("warm"),
                                  "switch_at": float(t_switch)})
             self.draining = None
 
@@ -621,11 +696,34 @@ class Controller:
         rep = self.ch.read(keys.warm(slot), protocol.WARM)
         return rep is not None and rep["ok"]
 
-    def _pick_standby(self) -> int:
-        """Take a warmed standby if there is one, else the longest-waiting one."""
-        slot = next((s for s in self.pool if self._warm(s)), self.pool[0])
+    def _pick_standby(self, node: Optional[int] = None) -> int:
+        """Take a standby: on ``node`` (its lowest local rank first) when given, else a warmed
+        per-process standby, else the longest-waiting one. Standby machines are kept whole
+        for machines, unless nothing else is left."""
+        if node is not None:
+            slot = min(s for s in self.pool if self.members[s].node == node)
+        else:
+            single = [s for s in self.pool if not self.members[s].machine] or list(self.pool)
+            slot = next((s for s in single if self._warm(s)), single[0])
         self.pool.remove(slot)
+        self.standbys_taken += 1
         return slot
+
+    def _standby_machine(self, n: int) -> Optional[int]:
+        """A standby machine with at least ``n`` standbys in the pool (the lowest node rank), or None."""
+        counts: Dict[int, int] = {}
+        for s in self.pool:
+            if self.members[s].machine:
+                counts[self.members[s].node] = counts.get(self.members[s].node, 0) + 1
+        fit = sorted(k for k, c in counts.items() if c >= n)
+        return fit[0] if fit else None
+
+    def _pick_standbys(self, roles: List[int]) -> Dict[int, int]:
+        """Standbys for ``roles`` (sorted). Several roles lost together (a machine) go to one
+        standby machine when one can take them all, in local-rank order, so a tensor-parallel
+        group that lived inside one machine stays inside one machine."""
+        node = self._standby_machine(len(roles)) if len(roles) > 1 else None
+        return {r: self._pick_standby(node) for r in sorted(roles)}
 
     def _watch_warmup(self) -> None:
         """Log the records that workers publish and the warmups that standbys report."""
@@ -649,7 +747,10 @@ class Controller:
                                   rss_bytes=rep["rss_bytes"],
                                   classes=[{k: r.get(k) for k in ("cls", "role", "ok", "seconds", "ops", "error", "out")}
                                            for r in rep["results"] if isinstance(r, dict)])
-        if (not self.warm_all and len(self.pool) >= self.spec.standby
+        # every standby of the first pool, less those a failure or drain took meanwhile (a standby
+        # machine's are not refilled), has reported its warmup
+        want = self.spec.standby + self.spec.nodes.standby_machines * self.spec.nproc_per_node
+        if (not self.warm_all and len(self.pool) + self.standbys_taken >= want
                 and all(s in self.warm_seen for s in self.pool)):
             self.warm_all = True
             self.ch.put(keys.WARM_ALL, {"set": True})

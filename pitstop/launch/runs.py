@@ -112,3 +112,71 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 300) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"step {step} was not logged within {timeout}s in {run_dir}")
+
+
+@dataclass
+class Machines:
+    """A job of several ``pitstop launch`` processes, one per "machine", each on its own loopback
+    address (127.0.0.2, 127.0.0.3, ...), as a cluster runs one launch per machine."""
+
+    run_dir: Path
+    head: subprocess.Popen
+    agents: Dict[int, subprocess.Popen]
+    logs: List = field(default_factory=list)
+
+    def kill_machine(self, node: int) -> None:
+        """A machine failure: SIGKILL of the agent's whole process group (its workers die with it)."""
+        import signal
+
+        os.killpg(self.agents[node].pid, signal.SIGKILL)
+
+    def wait(self, timeout: float) -> JobResult:
+        try:
+            code = self.head.wait(timeout=timeout)
+        finally:
+            for p in [self.head, *self.agents.values()]:
+                if p.poll() is None:
+                    try:
+                        p.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(p.pid, 9)
+                        p.wait()
+            for f in self.logs:
+                f.close()
+        return collect(self.run_dir, code)
+
+
+def machine_addr(node: int) -> str:
+    return f"127.0.0.{2 + node}"
+
+
+def start_machines(run_dir: Path, steps: int, nnodes: str = "4:5", nproc: int = 2, launch_args: Optional[List[str]] = None,
+                   gpt: Optional[List[str]] = None, faults: str = "") -> Machines:
+    """Start the head (node 0, the controller) and one agent per other machine, all as real
+    ``pitstop launch`` processes, each in a process group of its own."""
+    import secrets
+    import socket
+
+    from pitstop.launch.nodes import Nodes
+
+    nodes = Nodes.parse(nnodes)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    s = socket.socket()
+    s.bind((machine_addr(0), 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = dict(os.environ, PITSTOP_FAULT=faults, PITSTOP_JOB_TOKEN=secrets.token_hex(32))
+    base = PITSTOP + ["launch", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
+                      "--rdzv-endpoint", f"{machine_addr(0)}:{port}"] + (launch_args or [])
+    tail = ["--"] + (gpt or GPT) + ["--steps", str(steps), "--loss-file", str(run_dir / "loss.jsonl")]
+    logs = []
+
+    def one(k: int) -> subprocess.Popen:
+        f = open(run_dir / ("launcher.log" if k == 0 else f"launcher-{k}.log"), "w")
+        logs.append(f)
+        return subprocess.Popen(base + ["--node-rank", str(k), "--local-addr", machine_addr(k)] + tail, cwd=ROOT,
+                                env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    head = one(0)
+    agents = {k: one(k) for k in range(1, nodes.max)}
+    return Machines(run_dir, head, agents, logs)

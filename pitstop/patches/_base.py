@@ -37,7 +37,17 @@ _MISSING = object()
 
 
 def _has_own_source(obj: Any) -> bool:
-    return inspect.isfunction(obj) or inspect.ismethod(obj) or inspect.isclass(obj)
+    """A function, or a class written in Python (a compiled class, e.g. from pybind, has none)."""
+    if inspect.isfunction(obj) or inspect.ismethod(obj):
+        return True
+    if inspect.isclass(obj):
+        try:
+            inspect.getsourcefile(obj)
+            inspect.getsource(obj)
+        except (OSError, TypeError):
+            return False
+        return True
+    return False
 
 
 @dataclass(eq=False)

@@ -82,6 +82,18 @@ def warm(slot: int) -> str:                # sealed: what a standby's sandboxed 
     return f"ctl/warm/{slot}"
 
 
+def node(k: int, what: str) -> str:     # hello | hb: machine k's agent (sealed)
+    return f"ctl/node/{k}/{what}"
+
+
+def node_cmd(k: int, n: int) -> str:       # sealed: the controller's n-th command to machine k's agent
+    return f"ctl/node/{k}/cmd/{n}"
+
+
+def node_event(k: int, name: str, what: str) -> str:  # started | exit: a process machine k's agent runs
+    return f"ctl/node/{k}/{what}/{name}"
+
+
 def all_patterns(generations=(0, 1, 2), steps=range(0, 12), slots=range(0, 16)):
     """Every concrete key name of this module for small parameters (the fuzz test's target list)."""
     out = [ROSTER, APPLY_COUNT, DONE, DRAIN_REQUEST, COMMITTED, FAULT_FIRED, WARM_ALL, RECORD_CLASSES, LAYOUT]
@@ -95,4 +107,7 @@ def all_patterns(generations=(0, 1, 2), steps=range(0, 12), slots=range(0, 16)):
         for s in steps:
             out += [arrive(g, s), verdict(g, s)]
     out += [record(c) for c in ("only", "first", "middle", "last")]
+    for k in range(5):
+        out += [node(k, "hello"), node(k, "hb")] + [node_cmd(k, n) for n in range(1, 6)]
+        out += [node_event(k, f"w{r}", w) for r in range(8) for w in ("started", "exit")]
     return out

@@ -278,11 +278,15 @@ class Session:
             info = ch.read(keys.drain(gen), protocol.DRAIN)
             if info is None:
                 return
-            if info["role"] >= self.layout.world_size or info["generation"] != gen + 1:
-                ch.refuse(keys.drain(gen), f"role {info['role']}, generation {info['generation']}: expected a role "
-                                           f"< {self.layout.world_size} and generation {gen + 1}")
+            try:
+                roles = protocol.role_list(info, self.layout.world_size)
+                if not roles or info["generation"] != gen + 1:
+                    raise ValueError(f"roles {roles}, generation {info['generation']}: expected at least one "
+                                     f"role and generation {gen + 1}")
+            except ValueError as exc:
+                ch.refuse(keys.drain(gen), str(exc))
                 return
-            self._drain = {"info": info, "gen": gen}
+            self._drain = {"info": {**info, "roles": roles}, "gen": gen}
             t = threading.Thread(target=self._prepare_drain, args=(self._drain,), name="pitstop-drain-prepare", daemon=True)
             self._drain["thread"] = t
             t.start()
@@ -401,16 +405,16 @@ class Session:
         """Phase 1 (background thread): build the next generation's groups, or the hand-off pair."""
         try:
             info, gen = d["info"], d["gen"]
-            role = info["role"]
-            plan = plan_replace(self.layout, (role,), gen, gen + 1)
-            if self.rank == role:
-                d["handoff"] = _handoff_pair(gen, 0, self.cfg)
+            roles = info["roles"]
+            plan = plan_replace(self.layout, tuple(roles), gen, gen + 1)
+            if self.rank in roles:
+                d["handoff"] = _handoff_pair(gen, self.rank, 0, self.cfg)
             elif self.rank in plan.ranks_involved:
-                d["pending"] = self.registry.prepare(role)
+                d["pending"] = self.registry.prepare(roles)
             else:
                 return
             ch = self.ch.sibling(_client())  # this thread's own connection
-            if ch.add(keys.drain_nready(gen), 1) == len(plan.ranks_involved) + 1:
+            if ch.add(keys.drain_nready(gen), 1) == len(plan.ranks_involved) + len(roles):
                 ch.put(keys.drain_ready(gen), {"set": True})
         except Exception as exc:  # noqa: BLE001 - reported at the switch
             d["error"] = exc
@@ -424,9 +428,9 @@ class Session:
         d["thread"].join()
         if "error" in d:
             raise RecoveryError(f"{self.prefix()} drain preparation failed: {d['error']}") from d["error"]
-        role = d["info"]["role"]
+        roles = d["info"]["roles"]
         t0 = time.perf_counter()
-        if self.rank == role:
+        if self.rank in roles:
             pair = d["handoff"]
             state.send_snapshot_raw(pair, self.snap, 1)
             state.pg_send(pair, torch.tensor([1 if self.buddy is not None else 0]), 1)
@@ -444,7 +448,7 @@ class Session:
             sys.stderr.flush()
             os._exit(0)
         with self._lock:
-            pending = d.get("pending") or self.registry.prepare(role)
+            pending = d.get("pending") or self.registry.prepare(roles)
             report, swapped = self._advance(pending)
         self._drain = None
         self._report(self.gen, f"r{self.rank}", switch_s=time.perf_counter() - t0, ready=time.time(),
@@ -505,11 +509,12 @@ class Session:
         """A joiner for a draining role: phase 1 done (groups, model), wait for the switch, take the state."""
         a = self.m.assignment
         old_gen = int(a["from_generation"])
+        roles = protocol.role_list(a, self.layout.world_size) if a.get("roles") else [self.rank]
         self.fence.local = False
-        pair = _handoff_pair(old_gen, 1, self.cfg)
-        plan = plan_replace(self.layout, (self.rank,), old_gen, old_gen + 1)
+        pair = _handoff_pair(old_gen, self.rank, 1, self.cfg)
+        plan = plan_replace(self.layout, tuple(roles), old_gen, old_gen + 1)
         ch = self.ch
-        if ch.add(keys.drain_nready(old_gen), 1) == len(plan.ranks_involved) + 1:
+        if ch.add(keys.drain_nready(old_gen), 1) == len(plan.ranks_involved) + len(roles):
             ch.put(keys.drain_ready(old_gen), {"set": True})
         t_prepared = time.time()
         sw = ch.wait(keys.drain_switch(old_gen), protocol.DRAIN_SWITCH, timeout_s=86400.0)
@@ -566,7 +571,15 @@ def _client() -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(minutes=5))
 
 
-def _handoff_pair(gen: int, rank: int, cfg) -> dist.ProcessGroup:
-    """The leaver (0) and the joiner (1) of a drain: a two-process gloo pair of their own."""
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"pitstop/handoff/g{gen}", _client()), rank, 2,
-                                 timedelta(seconds=cfg.collective_timeout_s))
+def _handoff_pair(gen: int, role: int, rank: int, cfg) -> dist.ProcessGroup:
+    """The leaver (0) and the joiner (1) of ``role``'s drain: a two-process gloo pair of their own."""
+    import os
+
+    from pitstop.patches import gloo_address
+
+    store = dist.PrefixStore(f"pitstop/handoff/g{gen}/r{role}", _client())
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    addr = os.environ.get(gloo_address.ENV_ADDR)
+    if addr:  # this machine's address, as every other group of the process
+        return dist.ProcessGroupGloo(store, rank, 2, gloo_address.options(addr, timeout))
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)

@@ -128,7 +128,8 @@ def _authenticate(ch: Channel, standby: bool, rank: Optional[int], timeout_s: fl
     again every second until a verdict comes, so a hello overwritten by junk is not
     lost. A verdict that does not verify is ignored, except a plain refusal, which
     only stops this process."""
-    hello = {"pid": os.getpid(), "host": socket.gethostname(), "standby": standby, "rank": rank}
+    hello = {"pid": os.getpid(), "host": os.environ.get("PITSTOP_NODE_HOST") or socket.gethostname(),
+             "standby": standby, "rank": rank}
     if os.environ.get(ENV_SLOT):
         slot = int(os.environ[ENV_SLOT])
         hk, vk = keys.join(slot, "hello"), keys.join(slot, "verdict")
@@ -183,6 +184,28 @@ def _setup_logging() -> None:
         lg.propagate = False
 
 
+def _die_with_agent() -> None:
+    """Started by a machine's agent: die when it dies, as a machine's processes do.
+
+    torch's elastic multiprocessing starts each child in a session of its own, so a
+    SIGKILL of the agent's process group would leave the children running;
+    ``PR_SET_PDEATHSIG`` makes the kernel SIGKILL this process when the agent goes."""
+    agent = os.environ.get("PITSTOP_AGENT_PID")
+    if not agent or not agent.isdigit():
+        return
+    import ctypes
+    import signal as _signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(_signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != int(agent):  # the agent died before the line above
+        os._exit(1)
+
+
 def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], dict]] = None) -> Membership:
     """Become a member of the job described by the environment, and initialise torch.distributed.
 
@@ -198,6 +221,10 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
     import signal
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
+    _die_with_agent()
+    from pitstop.patches import gloo_address
+
+    gloo_address.apply()  # a machine's agent set PITSTOP_GLOO_ADDR: gloo listens on the machine's address
     cfg = config if config is not None else RuntimeConfig.from_env()
     world = int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=cfg.collective_timeout_s)

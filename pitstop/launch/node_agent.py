@@ -1,0 +1,183 @@
+"""One machine's agent, as its own process: it talks to the controller only through the control store.
+
+::
+
+    controller (head)                    store                         agent of machine k
+    put node/k/cmd/n {start w5, env} ->  ctl/node/k/cmd/n  ----------> start it (elastic multiprocessing)
+                                         ctl/node/k/started/w5 <------ {pid}
+                                         ctl/node/k/exit/w5    <------ {pid, exit}
+    machine k lost when ------------->   ctl/node/k/hb         <------ {n}, every heartbeat interval
+    its heartbeat stops
+
+Every message is sealed (:mod:`pitstop.protocol`). The agent runs the training script
+from its *own* command line, so the store can only ask it to start a role or a standby
+of this job, never an arbitrary program; the environment a command carries is limited
+to torchrun's and pitstop's variables, and the job token is added from the agent's own
+environment, never sent. Its children get ``PITSTOP_GLOO_ADDR`` (this machine's address,
+so their gloo groups listen there) and ``PITSTOP_AGENT_PID`` (they die with the agent,
+as a machine's processes die with it: SIGKILL of the agent's process group stands for a
+machine failure).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from pitstop import protocol
+from pitstop.errors import PitstopError
+from pitstop.launch.agent import Agent, Proc
+from pitstop.protocol import Channel
+from pitstop.runtime import keys
+
+log = logging.getLogger(__name__)
+
+ENV_AGENT_PID = "PITSTOP_AGENT_PID"
+ENV_NODE = "PITSTOP_NODE"
+ENV_NODE_HOST = "PITSTOP_NODE_HOST"
+
+#: What a start command may set in a child's environment.
+_ALLOWED_ENV = re.compile(r"^(PITSTOP_[A-Z0-9_]+|RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
+                          r"MASTER_ADDR|MASTER_PORT|TORCHELASTIC_USE_AGENT_STORE|OMP_NUM_THREADS|PYTHONUNBUFFERED)$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def connect(host: str, port: int, timeout_s: float = 300.0):
+    """A client of the control store, waiting (bounded) for the head to open it."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        except Exception as exc:  # noqa: BLE001 - DistNetworkError: not up yet
+            if time.monotonic() > deadline:
+                raise PitstopError(f"the control store at {host}:{port} did not answer within {timeout_s:.0f}s: "
+                                   f"{str(exc).splitlines()[0]}") from None
+            time.sleep(0.5)
+
+
+class NodeAgent:
+    """The loop of one machine's agent (see the module docstring)."""
+
+    def __init__(self, node: int, addr: str, nproc: int, argv: Sequence[str], run_dir: Path, store_host: str,
+                 store_port: int, token: str, heartbeat_interval_s: float = 0.5) -> None:
+        if not token:
+            raise PitstopError("a machine's agent needs the job token: set PITSTOP_JOB_TOKEN to the same secret "
+                               "on every machine (for example exported before srun)")
+        self.node, self.addr, self.nproc, self.argv = node, addr, nproc, list(argv)
+        self.token = token
+        self.interval = heartbeat_interval_s
+        self.store = connect(store_host, store_port)
+        self.ch = Channel(self.store, token, lambda k, r: log.warning("[node %d] refused %s: %s", node, k, r))
+        self.agent = Agent(Path(run_dir))
+        self.names: Dict[str, Proc] = {}
+        self.next_cmd = 1
+        self.beats = 0
+
+    def _child_env(self, env: Dict[str, str]) -> Dict[str, str]:
+        bad = sorted(k for k in env if not _ALLOWED_ENV.match(k) or not isinstance(env[k], str))
+        if bad:
+            raise ValueError(f"environment variable(s) {bad[:5]} may not be set by a command")
+        out = dict(os.environ)
+        out.update(env)
+        out[protocol.ENV_TOKEN] = self.token
+        out["PITSTOP_GLOO_ADDR"] = self.addr
+        out[ENV_NODE_HOST] = self.addr
+        out[ENV_NODE] = str(self.node)
+        out[ENV_AGENT_PID] = str(os.getpid())
+        return out
+
+    def _command(self, k: str, cmd: dict) -> None:
+        name = cmd["name"]
+        if not _NAME.match(name):
+            self.ch.refuse(k, f"process name {name!r}: expected letters, digits, '_', '.', '-'")
+            return
+        if cmd["op"] == "start":
+            if name in self.names:
+                self.ch.refuse(k, f"process {name} was started already")
+                return
+            try:
+                env = self._child_env(cmd.get("env") or {})
+            except ValueError as exc:
+                self.ch.refuse(k, str(exc))
+                return
+            p = self.agent.start(name, self.argv, env)
+            self.names[name] = p
+            self.ch.put(keys.node_event(self.node, name, "started"), {"pid": p.pid})
+            log.info("[node %d] started %s (pid %d)", self.node, name, p.pid)
+        elif cmd["op"] == "kill":
+            p = self.names.get(name)
+            if p is not None and p.running:
+                self.agent.kill(p, int(cmd.get("sig", signal.SIGKILL)))
+
+    def run(self) -> int:
+        self.ch.put(keys.node(self.node, "hello"), {"node": self.node, "host": socket.gethostname(), "addr": self.addr,
+                                                   "nproc": self.nproc, "pid": os.getpid()})
+        last_beat = 0.0
+        try:
+            while True:
+                while True:
+                    k = keys.node_cmd(self.node, self.next_cmd)
+                    cmd = self.ch.read(k, protocol.NODE_CMD)
+                    if cmd is None:
+                        break
+                    self.next_cmd += 1
+                    self._command(k, cmd)
+                for p in self.agent.poll():
+                    self.ch.put(keys.node_event(self.node, p.name, "exit"), {"pid": p.pid, "exit": p.exit})
+                if time.monotonic() - last_beat >= self.interval:
+                    self.beats += 1
+                    self.ch.put(keys.node(self.node, "hb"), {"n": self.beats}, own=False)
+                    self.ch.reassert()
+                    last_beat = time.monotonic()
+                if self.ch.read(keys.DONE, protocol.FLAG) is not None:
+                    log.info("[node %d] the job is over", self.node)
+                    return 0
+                time.sleep(0.02)
+        except (RuntimeError, OSError) as exc:  # the store went away: the head is gone
+            log.warning("[node %d] lost the control store (%s); stopping this machine's processes", self.node,
+                        str(exc).splitlines()[0])
+            return 1
+        finally:
+            self.agent.close()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m pitstop.launch.node_agent --node K --addr A --nproc N --run-dir D --store H:P -- SCRIPT ...``:
+    how the head starts its own machine's agent (other machines run ``pitstop launch --node-rank K``)."""
+    import argparse
+
+    from pitstop.store import parse_endpoint
+
+    p = argparse.ArgumentParser(prog="pitstop-node-agent")
+    p.add_argument("--node", type=int, required=True)
+    p.add_argument("--addr", required=True)
+    p.add_argument("--nproc", type=int, required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--store", required=True)
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("script", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    host, port = parse_endpoint(args.store)
+    setup_logging()
+    return NodeAgent(args.node, args.addr, args.nproc, script, Path(args.run_dir), host, port,
+                     protocol.take_token_from_env(), args.heartbeat_interval).run()
+
+
+def setup_logging() -> None:
+    """The agent is a program of its own: its lines go to stderr (the library configures nothing)."""
+    logging.basicConfig(level=logging.INFO, format="pitstop-agent %(asctime)s %(message)s")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

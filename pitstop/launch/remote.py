@@ -1,0 +1,157 @@
+"""The controller's view of the machines' agents: start, kill and watch processes through the store.
+
+:class:`RemoteAgents` offers what the in-process :class:`~pitstop.launch.agent.Agent`
+offers (``start``, ``poll``, ``kill``, ``log_paths``, ``log_tail``, ``close``), but each
+call is a sealed message to a machine's agent (:mod:`pitstop.launch.node_agent`).
+It also watches each agent's heartbeat: a machine whose agent falls silent for the
+heartbeat timeout is lost, and every process on it is reported as exited at once, so
+the controller sees one correlated failure.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from pitstop import protocol
+from pitstop.protocol import Channel
+from pitstop.runtime import keys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class RemoteProc:
+    """A process some machine's agent runs for this job."""
+
+    name: str
+    node: int
+    pid: Optional[int] = None
+    """Known once the agent reports it started."""
+    exit: Optional[str] = None
+
+    @property
+    def running(self) -> bool:
+        return self.exit is None
+
+
+@dataclass
+class NodeState:
+    hello: Optional[dict] = None
+    beats: int = 0
+    last_beat: float = field(default_factory=time.monotonic)
+    lost: bool = False
+
+
+class RemoteAgents:
+    """Processes on machines ``0 .. nodes-1``, each run by that machine's agent."""
+
+    def __init__(self, ch: Channel, run_dir: Path, nodes: int, heartbeat_timeout_s: float,
+                 on_node_lost: Optional[Callable[[int, float], None]] = None, poll_s: float = 0.05) -> None:
+        self.ch = ch
+        self.run_dir = Path(run_dir)
+        self.timeout = heartbeat_timeout_s
+        self.nodes: Dict[int, NodeState] = {k: NodeState() for k in range(nodes)}
+        self.cmds: Dict[int, int] = {k: 0 for k in range(nodes)}
+        self.procs: Dict[str, RemoteProc] = {}
+        self.on_node_lost = on_node_lost
+        self.poll_s = poll_s
+        self._last_poll = 0.0
+
+    # ------------------------------------------------------------------ commands
+    def _send(self, node: int, body: dict) -> None:
+        self.cmds[node] += 1
+        self.ch.put(keys.node_cmd(node, self.cmds[node]), body)
+
+    def start(self, name: str, env: Dict[str, str], node: int) -> RemoteProc:
+        if name in self.procs:
+            raise ValueError(f"process name {name} is taken")
+        # the token never crosses the store: each agent adds its own copy
+        env = {k: v for k, v in env.items() if k != protocol.ENV_TOKEN}
+        p = RemoteProc(name, node)
+        self.procs[name] = p
+        if self.nodes[node].lost:
+            p.exit = f"machine {node} is lost"
+        else:
+            self._send(node, {"op": "start", "name": name, "env": env})
+        return p
+
+    def kill(self, p: RemoteProc, sig: int = signal.SIGKILL) -> None:
+        if p.running and not self.nodes[p.node].lost:
+            self._send(p.node, {"op": "kill", "name": p.name, "sig": int(sig)})
+
+    # ------------------------------------------------------------------ watching
+    def alive(self, node: int) -> bool:
+        st = self.nodes[node]
+        return st.hello is not None and not st.lost
+
+    def poll(self) -> List[RemoteProc]:
+        """Processes that exited (or whose machine was lost) since the last poll."""
+        now = time.monotonic()
+        if now - self._last_poll < self.poll_s:
+            return []
+        self._last_poll = now
+        out: List[RemoteProc] = []
+        for k, st in self.nodes.items():
+            if st.lost:
+                continue
+            if st.hello is None:
+                st.hello = self.ch.read(keys.node(k, "hello"), protocol.NODE_HELLO)
+                if st.hello is not None:
+                    st.last_beat = now
+                continue
+            hb = self.ch.read(keys.node(k, "hb"), protocol.HEARTBEAT)
+            n = st.beats if hb is None else hb["n"]
+            if n < st.beats:
+                self.ch.refuse(keys.node(k, "hb"), f"replayed: beat {n} after beat {st.beats}")
+            elif n > st.beats:
+                st.beats, st.last_beat = n, now
+            elif now - st.last_beat > self.timeout:
+                st.lost = True
+                silent = now - st.last_beat
+                log.warning("machine %d lost: its agent was silent for %.1fs", k, silent)
+                if self.on_node_lost is not None:
+                    self.on_node_lost(k, silent)
+                for p in self.procs.values():
+                    if p.node == k and p.running:
+                        p.exit = f"machine {k} lost"
+                        out.append(p)
+        for p in self.procs.values():
+            if not p.running:
+                continue
+            if p.pid is None:
+                st = self.ch.read(keys.node_event(p.node, p.name, "started"), protocol.NODE_STARTED)
+                if st is not None:
+                    p.pid = st["pid"]
+            ex = self.ch.read(keys.node_event(p.node, p.name, "exit"), protocol.NODE_EXIT)
+            if ex is not None:
+                p.exit = ex["exit"]
+                out.append(p)
+        return out
+
+    # ------------------------------------------------------------------ logs (a shared file system, or nothing)
+    def log_paths(self, p: RemoteProc) -> Dict[str, str]:
+        out = {}
+        for stream in ("stdout", "stderr"):
+            found = sorted(glob.glob(str(self.run_dir / "logs" / p.name / "*" / "attempt_0" / "0" / f"{stream}.log")))
+            out[stream] = found[0] if found else f"(on machine {p.node}) logs/{p.name}"
+        return out
+
+    def log_tail(self, p: RemoteProc, n: int = 30) -> str:
+        lines = []
+        for stream, path in self.log_paths(p).items():
+            try:
+                tail = Path(path).read_text(errors="replace").splitlines()[-n:]
+            except OSError:
+                tail = ["<not on this machine>"]
+            lines.append(f"----- [{p.name} on machine {p.node}] {stream} ({path})")
+            lines.extend(tail)
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        """Nothing to do here: the agents end their processes when the controller sets ``ctl/done``."""
