@@ -750,8 +750,10 @@ class Controller:
         # every standby of the first pool, less those a failure or drain took meanwhile (a standby
         # machine's are not refilled), has reported its warmup
         want = self.spec.standby + self.spec.nodes.standby_machines * self.spec.nproc_per_node
+        # standbys a drain took are ready when the drain is (its joiners build their roles in phase 1)
         if (not self.warm_all and len(self.pool) + self.standbys_taken >= want
-                and all(s in self.warm_seen for s in self.pool)):
+                and all(s in self.warm_seen for s in self.pool)
+                and (self.draining is None or "ready" in self.draining)):
             self.warm_all = True
             self.ch.put(keys.WARM_ALL, {"set": True})
 
