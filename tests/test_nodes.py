@@ -48,3 +48,47 @@ def test_slurm_place_names_the_head_and_this_node():
         from_slurm({**env, "SLURM_NODEID": "x"})
     with pytest.raises(ConfigError, match="runs backwards"):
         expand_hostlist("gpu[09-07]")
+
+
+class _Store:
+    def __init__(self):
+        self.d = {}
+
+    def set(self, k, v):
+        self.d[k] = v.encode() if isinstance(v, str) else bytes(v)
+
+    def get(self, k):
+        return self.d[k]
+
+    def check(self, ks):
+        return all(k in self.d for k in ks)
+
+
+def test_remote_agents_report_a_silent_machine_and_one_that_never_joined():
+    """Through sealed messages only: machine 0's agent says hello and beats, then falls silent;
+    machine 1 never says hello. Both machines' processes are reported exited, with the reason."""
+    import time
+
+    from pitstop.launch.remote import RemoteAgents
+    from pitstop.protocol import Channel
+    from pitstop.runtime import keys
+
+    st, lost = _Store(), []
+    ch = Channel(st, "t" * 64)
+    ra = RemoteAgents(ch, "/nonexistent", 2, heartbeat_timeout_s=0.2, on_node_lost=lambda k, s: lost.append(k),
+                      poll_s=0.0, join_timeout_s=0.3)
+    p0, p1 = ra.start("w0", {"RANK": "0", "PITSTOP_JOB_TOKEN": "secret"}, 0), ra.start("w1", {"RANK": "1"}, 1)
+    cmd = st.d[keys.node_cmd(0, 1)]
+    assert b"secret" not in cmd and b'"RANK":"0"' in cmd          # the token never crosses the store
+    ch.put(keys.node(0, "hello"), {"node": 0, "host": "h", "addr": "127.0.0.2", "nproc": 1, "pid": 5})
+    ch.put(keys.node_event(0, "w0", "started"), {"pid": 77})
+    assert ra.poll() == [] and p0.pid == 77 and ra.alive(0) and not ra.alive(1)
+    st.set(keys.node(0, "hb"), "junk")                              # junk is not a beat
+    ch.put(keys.node(0, "hb"), {"n": 1})
+    assert ra.poll() == []
+    time.sleep(0.35)
+    out = ra.poll()
+    assert {p.name: p.exit for p in out} == {"w0": "machine 0 lost",
+                                            "w1": "machine 1 never joined (no agent hello within 0s)"}
+    assert sorted(lost) == [0, 1] and not ra.alive(0)
+    assert ra.start("w2", {}, 0).exit == "machine 0 is lost"          # nothing is sent to a lost machine

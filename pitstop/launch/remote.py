@@ -52,7 +52,8 @@ class RemoteAgents:
     """Processes on machines ``0 .. nodes-1``, each run by that machine's agent."""
 
     def __init__(self, ch: Channel, run_dir: Path, nodes: int, heartbeat_timeout_s: float,
-                 on_node_lost: Optional[Callable[[int, float], None]] = None, poll_s: float = 0.05) -> None:
+                 on_node_lost: Optional[Callable[[int, float], None]] = None, poll_s: float = 0.05,
+                 join_timeout_s: float = 600.0) -> None:
         self.ch = ch
         self.run_dir = Path(run_dir)
         self.timeout = heartbeat_timeout_s
@@ -61,6 +62,9 @@ class RemoteAgents:
         self.procs: Dict[str, RemoteProc] = {}
         self.on_node_lost = on_node_lost
         self.poll_s = poll_s
+        self.join_timeout = join_timeout_s
+        """A machine whose agent has not said hello by then never joined: its processes are lost."""
+        self._started = time.monotonic()
         self._last_poll = 0.0
 
     # ------------------------------------------------------------------ commands
@@ -104,6 +108,15 @@ class RemoteAgents:
                 st.hello = self.ch.read(keys.node(k, "hello"), protocol.NODE_HELLO)
                 if st.hello is not None:
                     st.last_beat = now
+                elif now - self._started > self.join_timeout:
+                    st.lost = True
+                    log.warning("machine %d never joined within %.0fs", k, self.join_timeout)
+                    if self.on_node_lost is not None:
+                        self.on_node_lost(k, now - self._started)
+                    for p in self.procs.values():
+                        if p.node == k and p.running:
+                            p.exit = f"machine {k} never joined (no agent hello within {self.join_timeout:.0f}s)"
+                            out.append(p)
                 continue
             hb = self.ch.read(keys.node(k, "hb"), protocol.HEARTBEAT)
             n = st.beats if hb is None else hb["n"]
