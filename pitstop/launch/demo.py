@@ -4,7 +4,11 @@
 2. the pitstop run: after step 1 (recorded) the standby replays it in its sandbox; rank 5 is
    SIGKILLed in the backward pass of step 3 and the warmed standby takes over; after step 6
    rank 2 is drained to a standby (the pool refills);
-3. a summary: each event's downtime, the groups rebuilt and kept, and whether every
+3. the same job on machines: one ``pitstop launch`` per machine, four machines of two ranks
+   and two standby machines, each on its own loopback address (127.0.0.2 ... 127.0.0.7);
+   machine 2 is SIGKILLed (its agent's process group) and a standby machine takes its two
+   roles, then machine 3 is drained onto the other standby machine;
+4. a summary: each event's downtime, the groups rebuilt and kept, and whether every
    step's loss and every rank's final parameters matched the uninterrupted run bit for bit.
 """
 
@@ -14,21 +18,21 @@ import time
 from pathlib import Path
 
 from pitstop.launch.controller import request_drain
-from pitstop.launch.runs import run_job, wait_for_step
+from pitstop.launch.runs import machine_addr, run_job, start_machines, wait_for_event, wait_for_step
 from pitstop.runtime.faults import Fault
 
 
 def run_demo(steps: int = 80, run_dir: str = "runs/demo") -> int:
     base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
     print(f"pitstop demo: world 8 (tp2 pp2 dp2) Megatron-Core GPT on CPU, {steps} steps; runs in {base}", flush=True)
-    print("  [1/2] uninterrupted run ...", flush=True)
+    print("  [1/3] uninterrupted run ...", flush=True)
     ref = run_job(base / "uninterrupted", steps)
     if ref.code != 0:
         print(ref.tails())
         return 1
     drain_after = 6
     kill = Fault.kill(rank=5).at(step=min(3, steps), phase="backward")
-    print(f"  [2/2] pitstop run: kill rank 5 at step {kill.step} ({kill.phase}), drain rank 2 after step {drain_after} ...",
+    print(f"  [2/3] pitstop run: kill rank 5 at step {kill.step} ({kill.phase}), drain rank 2 after step {drain_after} ...",
           flush=True)
 
     def drain(d: Path) -> None:
@@ -67,4 +71,36 @@ def run_demo(steps: int = 80, run_dir: str = "runs/demo") -> int:
     same = res.losses == ref.losses and res.checksums == ref.checksums
     print(f"\n  loss and parameters identical to the uninterrupted run, bit for bit: {same}")
     print(f"  events: {base / 'pitstop' / 'events.jsonl'}   (pitstop status --run-dir {base / 'pitstop'})")
-    return 0 if same and res.of("replaced") and res.of("drained") else 1
+    ok = same and bool(res.of("replaced")) and bool(res.of("drained"))
+    return 0 if ok and _machines(base / "machines", steps, ref) else 1
+
+
+def _machines(run_dir: Path, steps: int, ref) -> bool:
+    """Step 3: the same job on 4 machines + 2 standby machines, a machine killed and a host drained."""
+    print(f"\n  [3/3] on machines: 4 x 2 ranks + 2 standby machines ({machine_addr(0)} ... {machine_addr(5)}); "
+          f"machine 2 killed after step 5, machine 3 drained after step 15 ...", flush=True)
+    m = start_machines(run_dir, steps, "4:6", launch_args=["--heartbeat-timeout", "10", "--hold-for-warm", "120"])
+    try:
+        wait_for_event(run_dir, "warmed", n=4, timeout=900)
+        wait_for_step(run_dir, 5, timeout=900)
+        m.kill_machine(2)
+        wait_for_event(run_dir, "replaced", timeout=900)
+        wait_for_step(run_dir, 15, timeout=900)
+        request_drain(run_dir, host=machine_addr(3))
+    finally:
+        res = m.wait(1800)
+    if res.code != 0:
+        print(res.tails())
+        return False
+    for ev in res.of("machine-lost"):
+        print(f"  machine:   machine {ev['node']} lost (agent silent {ev['silent_s']}s), roles {ev['roles']}")
+    for ev in res.of("replaced"):
+        print(f"  unplanned: roles {ev['roles']} {ev['old']} -> {ev['new']} at step {ev['step']}: "
+              f"{ev['downtime_s']}s from detection to the first finished step, {ev['rebuilt']} groups rebuilt")
+    for ev in res.of("drained"):
+        print(f"  planned:   roles {ev['roles']} {ev['old']} -> {ev['new']} after step {ev['step'] - 1}: "
+              f"pause {ev['pause_s']}s (steady iteration {ev.get('steady_iter_s')}s)")
+    same = res.losses == ref.losses and res.checksums == ref.checksums
+    print(f"\n  on machines, loss and parameters identical to the uninterrupted run, bit for bit: {same}")
+    print(f"  events: {run_dir / 'events.jsonl'}")
+    return same and bool(res.of("replaced")) and bool(res.of("drained"))
