@@ -47,6 +47,28 @@ def wait_done(job: LocalJob, ctx, timeout: float = 120.0):
     return res
 
 
+class DictStore:
+    """The four calls a control channel makes of a store, on a dict: for pure tests of code that
+    reads and writes sealed messages (the real TCPStore is tested where its behaviour matters)."""
+
+    def __init__(self):
+        self.d = {}
+
+    def set(self, k, v):
+        self.d[k] = v.encode() if isinstance(v, str) else bytes(v)
+
+    def get(self, k):
+        return self.d[k]
+
+    def check(self, ks):
+        return all(k in self.d for k in ks)
+
+
+@pytest.fixture
+def dict_store():
+    return DictStore()
+
+
 @pytest.fixture
 def job(tmp_path):
     j = LocalJob(tmp_path / "run")

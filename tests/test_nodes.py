@@ -50,21 +50,7 @@ def test_slurm_place_names_the_head_and_this_node():
         expand_hostlist("gpu[09-07]")
 
 
-class _Store:
-    def __init__(self):
-        self.d = {}
-
-    def set(self, k, v):
-        self.d[k] = v.encode() if isinstance(v, str) else bytes(v)
-
-    def get(self, k):
-        return self.d[k]
-
-    def check(self, ks):
-        return all(k in self.d for k in ks)
-
-
-def test_remote_agents_report_a_silent_machine_and_one_that_never_joined():
+def test_remote_agents_report_a_silent_machine_and_one_that_never_joined(dict_store):
     """Through sealed messages only: machine 0's agent says hello and beats, then falls silent;
     machine 1 never says hello. Both machines' processes are reported exited, with the reason."""
     import time
@@ -73,11 +59,12 @@ def test_remote_agents_report_a_silent_machine_and_one_that_never_joined():
     from pitstop.protocol import Channel
     from pitstop.runtime import keys
 
-    st, lost = _Store(), []
+    st, lost = dict_store, []
     ch = Channel(st, "t" * 64)
     ra = RemoteAgents(ch, "/nonexistent", 2, heartbeat_timeout_s=0.2, on_node_lost=lambda k, s: lost.append(k),
                       poll_s=0.0, join_timeout_s=0.3)
-    p0, p1 = ra.start("w0", {"RANK": "0", "PITSTOP_JOB_TOKEN": "secret"}, 0), ra.start("w1", {"RANK": "1"}, 1)
+    p0 = ra.start("w0", {"RANK": "0", "PITSTOP_JOB_TOKEN": "secret"}, 0)
+    ra.start("w1", {"RANK": "1"}, 1)
     cmd = st.d[keys.node_cmd(0, 1)]
     assert b"secret" not in cmd and b'"RANK":"0"' in cmd          # the token never crosses the store
     ch.put(keys.node(0, "hello"), {"node": 0, "host": "h", "addr": "127.0.0.2", "nproc": 1, "pid": 5})

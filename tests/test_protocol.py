@@ -4,7 +4,6 @@ where it is)."""
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 
 import pytest
@@ -93,22 +92,8 @@ def test_every_schema_accepts_what_pitstop_itself_writes():
         open_(TOKEN, "k", seal(TOKEN, "k", {"x": "str"}), protocol.TIMING)
 
 
-class DictStore:
-    def __init__(self):
-        self.d = {}
-
-    def set(self, k, v):
-        self.d[k] = v.encode() if isinstance(v, str) else bytes(v)
-
-    def get(self, k):
-        return self.d[k]
-
-    def check(self, ks):
-        return all(k in self.d for k in ks)
-
-
-def test_channel_reads_absent_and_refused_as_none_and_reports_junk_once():
-    st, seen = DictStore(), []
+def test_channel_reads_absent_and_refused_as_none_and_reports_junk_once(dict_store):
+    st, seen = dict_store, []
     ch = Channel(st, TOKEN, lambda k, r: seen.append((k, r)))
     assert ch.read("ctl/done", protocol.FLAG) is None and seen == []
     st.set("ctl/done", "1")                       # the old, unauthenticated protocol
@@ -120,8 +105,8 @@ def test_channel_reads_absent_and_refused_as_none_and_reports_junk_once():
     assert ch.refused == 1
 
 
-def test_private_names_depend_on_the_token():
-    a, b = Channel(DictStore(), TOKEN), Channel(DictStore(), "other")
+def test_private_names_depend_on_the_token(dict_store):
+    a, b = Channel(dict_store, TOKEN), Channel(dict_store, "other")
     assert a.private("ctl/arrive/g0/s1").startswith("ctl/arrive/g0/s1/")
     assert a.private("ctl/arrive/g0/s1") != b.private("ctl/arrive/g0/s1")
     assert a.private("ctl/arrive/g0/s1") != a.private("ctl/arrive/g0/s2")
