@@ -89,6 +89,21 @@ class Pending:
     seconds: float
 
 
+def _own_connection(store: dist.Store) -> dist.Store:
+    """A second client of the same store (same prefixes, its own socket).
+
+    A c10d ``TCPStore`` client holds one lock for the whole of a blocking ``wait``, so
+    a background :meth:`GroupRegistry.prepare` whose gloo rendezvous waits for a late
+    peer would stall every other store call of the process (the training thread's
+    step verdict), and those peers' prepares may be waiting for that very verdict:
+    a deadlock until the 120 s timeout. Stores that cannot clone are used as they are.
+    """
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return store
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
@@ -134,12 +149,12 @@ class GroupRegistry:
         digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:10]
         return f"{self.prefix}:g{gen}:{kind}{suffix}:{digest}"
 
-    def _store_for(self, gen: int) -> dist.Store:
-        return dist.PrefixStore(f"{self.prefix}/g{gen}", self.store)
+    def _store_for(self, gen: int, base: Optional[dist.Store] = None) -> dist.Store:
+        return dist.PrefixStore(f"{self.prefix}/g{gen}", base if base is not None else self.store)
 
     # ----------------------------------------------------------------- building
-    def _build_comm(self, kind: str, ranks: Tuple[int, ...], gen: int) -> Entry:
-        store = self._store_for(gen)
+    def _build_comm(self, kind: str, ranks: Tuple[int, ...], gen: int, base: Optional[dist.Store] = None) -> Entry:
+        store = self._store_for(gen, base)
         group = pgmod.new_comm(ranks, self.backend, store, self._name(kind, ranks, gen), self.timeout, kind, self.fence)
         gloo = None
         if self.gloo_twins and kind in GLOO_TWIN_KINDS:
@@ -166,8 +181,9 @@ class GroupRegistry:
             raise GroupError(f"rank {self.rank}: groups already built (generation {self.generation})")
         self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation, self._entries)
 
-    def _build_kinds(self, kinds, gen: int, entries: Dict[str, Entry]) -> List[str]:
-        """Build ``kinds`` into ``entries`` (which also supplies the parts of composites)."""
+    def _build_kinds(self, kinds, gen: int, entries: Dict[str, Entry], base: Optional[dist.Store] = None) -> List[str]:
+        """Build ``kinds`` into ``entries`` (which also supplies the parts of composites),
+        through ``base`` (default: the registry's store)."""
         built = []
         for kind in comm_kinds(self.layout):
             if kind not in kinds:
@@ -175,7 +191,7 @@ class GroupRegistry:
             ranks = self.layout.group_of(kind, self.rank)
             if ranks is None:
                 continue
-            entries[kind] = self._build_comm(kind, tuple(ranks), gen)
+            entries[kind] = self._build_comm(kind, tuple(ranks), gen, base)
             built.append(kind)
         for kind in self.layout.kinds():
             if kind in kinds and realization(self.layout, kind).how != "comm":
@@ -239,7 +255,9 @@ class GroupRegistry:
         each group built once).
 
         Nothing is swapped: the current groups stay installed and usable, so this
-        may run in a background thread while training goes on (a planned drain).
+        may run in a background thread while training goes on (a planned drain). The
+        new groups rendezvous over their own store connection (:func:`_own_connection`),
+        so their waits never block the training thread's use of the store.
         """
         roles = (role,) if isinstance(role, int) and not isinstance(role, bool) else tuple(role)
         for r in roles:
@@ -263,7 +281,7 @@ class GroupRegistry:
         # training thread may keep using them while this runs
         view = {k: v for k, v in self._entries.items() if k not in kinds}
         try:
-            self._build_kinds(kinds, gen, view)
+            self._build_kinds(kinds, gen, view, _own_connection(self.store))
         except Exception:
             for k in kinds:
                 if k in view:

@@ -42,3 +42,23 @@ def test_world_group_composites_and_bad_replace(job, tmp_path):
         assert "role(7) does not exist" in res["bad_replace"] and "0..3" in res["bad_replace"]
         assert res["untouched"] is True and res["generation"] == 0
         assert res["after_destroy_dp_sum"] == 2.0
+
+
+@pytest.mark.timeout(120)
+def test_background_prepare_does_not_wait_behind_the_training_threads_store_call(job, tmp_path):
+    """The cause of a drain that hung for 120 s: a c10d TCPStore client holds its lock for
+    the whole of a blocking wait, so a drain's background prepare must rendezvous over a
+    connection of its own. Here each stayer's main thread waits (20 s limit) for a key
+    that its own prepare sets when done; on a shared connection that is a deadlock."""
+    world = 4
+    ctx = job.start("pg-bg", [WORKER, str(tmp_path), "background-prepare"], range(world), world)
+    wait_done(job, ctx, timeout=100)
+    for r in range(world):
+        res = json.loads((tmp_path / f"result_{r}.json").read_text())
+        assert res["generation"] == 1, res
+        assert res["dp_ranks"] == ([0, 2] if r % 2 == 0 else [1, 3]), res
+        assert res["dp_sum"] == (1.0 + 3.0 if r % 2 == 0 else 2.0 + 4.0), res
+        if r < world - 1:
+            assert res["main_wait_error"] is None and res["prepare_error"] is None, res
+            assert res["prepare_s"] < 15, res
+

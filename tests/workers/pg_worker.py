@@ -17,8 +17,65 @@ from pitstop.store import connect_from_env
 T = timedelta(seconds=60)
 
 
+def background_prepare(out_dir):
+    """Stayers 0..2 prepare role 3's next generation in a background thread while their
+    main thread sits in a blocking ``wait`` on the same store client (as the training
+    thread waits for a step verdict). The wait's key is set only once the prepare has
+    finished, so a prepare that rendezvouses through the main thread's connection
+    (whose lock the wait holds) deadlocks until the wait times out. Rank 3 plays its
+    own joiner: it builds generation 0 with the others, then a fresh registry at
+    generation 1."""
+    import threading
+    import time
+
+    store = connect_from_env(T)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_world(store, rank, world, T)
+    layout = ParallelLayout(world, tp=2)
+    res = {"rank": rank}
+    if rank == world - 1:
+        GroupRegistry(layout, store, timeout=T).build()
+        reg = GroupRegistry(layout, store, generation=1, timeout=T)
+        reg.build()
+    else:
+        reg = GroupRegistry(layout, store, timeout=T)
+        reg.build()
+        out = {}
+
+        def prepare():
+            try:
+                out["pending"] = reg.prepare(world - 1)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                out["error"] = repr(exc)
+            connect_from_env(T).set(f"pgtest/prepared/{rank}", "1")
+
+        t0 = time.monotonic()
+        threading.Thread(target=prepare, daemon=True).start()
+        try:
+            store.wait([f"pgtest/prepared/{rank}"], timedelta(seconds=20))
+            res["main_wait_error"] = None
+        except Exception as exc:  # noqa: BLE001 - the deadlock shows as this wait's timeout
+            res["main_wait_error"] = repr(exc)
+        res["prepare_s"] = time.monotonic() - t0
+        res["prepare_error"] = out.get("error")
+        if "pending" in out:
+            reg.commit(out["pending"])
+    res["generation"] = reg.generation
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=reg.group("dp"))
+    res["dp_sum"] = t.item()
+    res["dp_ranks"] = dist.get_process_group_ranks(reg.group("dp"))
+    with open(os.path.join(out_dir, f"result_{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.barrier()
+    reg.destroy()
+    dist.destroy_process_group()
+
+
 def main():
     out_dir = sys.argv[1]
+    if sys.argv[2:] == ["background-prepare"]:
+        return background_prepare(out_dir)
     store = connect_from_env(T)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     init_world(store, rank, world, T)
