@@ -79,3 +79,42 @@ def test_remote_agents_report_a_silent_machine_and_one_that_never_joined(dict_st
                                             "w1": "machine 1 never joined (no agent hello within 0s)"}
     assert sorted(lost) == [0, 1] and not ra.alive(0)
     assert ra.start("w2", {}, 0).exit == "machine 0 is lost"          # nothing is sent to a lost machine
+
+
+def test_a_reported_failure_confirms_a_silent_machine_sooner_but_never_a_beating_one(dict_store):
+    """Heartbeat timeout 5 s, confirm 0.3 s. Without a report, 0.5 s of silence is nothing;
+    after ``suspect()`` it is a loss, while machine 1, which keeps beating, stays."""
+    import time
+
+    from pitstop.launch.remote import RemoteAgents
+    from pitstop.protocol import Channel
+    from pitstop.runtime import keys
+
+    st, lost = dict_store, []
+    ch = Channel(st, "t" * 64)
+    ra = RemoteAgents(ch, "/nonexistent", 2, heartbeat_timeout_s=5.0, on_node_lost=lambda k, s: lost.append((k, s)),
+                      poll_s=0.0, confirm_s=0.3)
+    assert ra.confirm_s == 0.3 and not ra.suspecting()
+    for k in (0, 1):
+        ch.put(keys.node(k, "hello"), {"node": k, "host": "h", "addr": f"127.0.0.{k + 2}", "nproc": 1, "pid": 5})
+        ra.start(f"w{k}", {}, k)
+    beat = {0: 0, 1: 0}
+
+    def tick(nodes):
+        for k in nodes:
+            beat[k] += 1
+            ch.put(keys.node(k, "hb"), {"n": beat[k]})
+        return ra.poll()
+
+    tick((0, 1))
+    t_end = time.monotonic() + 0.5
+    while time.monotonic() < t_end:                # machine 0 falls silent; no failure reported
+        assert tick((1,)) == []
+        time.sleep(0.05)
+    assert lost == [] and ra.alive(0)
+    ra.suspect()
+    assert ra.suspecting()
+    out = tick((1,))
+    assert [p.name for p in out] == ["w0"] and out[0].exit == "machine 0 lost"
+    assert [k for k, _ in lost] == [0] and lost[0][1] >= 0.5 and ra.alive(1)
+    assert RemoteAgents(ch, "/x", 1, heartbeat_timeout_s=0.2, confirm_s=1.0).confirm_s == 0.2  # never above the timeout

@@ -124,7 +124,9 @@ class Controller:
         self.lost_at = 0.0
         self.lost_detected = 0.0
         self.agent: Any = (RemoteAgents(self.ch, self.run_dir, spec.nodes.max, self.cfg.heartbeat_timeout_s,
-                                        self._node_lost) if spec.multi_node else Agent(self.run_dir))
+                                        self._node_lost, confirm_s=self.confirm_s())
+                           if spec.multi_node else Agent(self.run_dir))
+        self.poison_seen: Optional[tuple] = None      # (generation, step) of the last poisoned verdict seen
         self.members: Dict[int, Member] = {}          # by slot
         self.roster: Optional[Roster] = None
         self.role_slots: Dict[int, int] = {}          # role -> slot
@@ -137,6 +139,7 @@ class Controller:
         self.drain_waiting: set = set()
         self.draining: Optional[Dict[str, Any]] = None
         self.leavers: set = set()
+        self.stopping: set = set()                    # names of processes stopped on purpose
         self.drain_seen = 0
         self.sb_count = 0
         self.finished: set = set()
@@ -176,10 +179,11 @@ class Controller:
             return self.agent.start(name, env, node)
         return self.agent.start(name, self.spec.argv, env)
 
-    def _start_worker(self, rank: int, extra: Optional[Dict[str, str]] = None) -> Proc:
+    def _start_worker(self, rank: int, extra: Optional[Dict[str, str]] = None, node: Optional[int] = None) -> Proc:
         name = f"w{rank}" + (f"-e{self.epoch}" if self.epoch else "")
         slot = self._new_slot()
-        node = self.spec.nodes.node_of(rank, self.spec.nproc_per_node)
+        if node is None:
+            node = self.spec.nodes.node_of(rank, self.spec.nproc_per_node)
         p = self._spawn(name, self._env(rank, {**(extra or {}), ENV_SLOT: str(slot)}), node)
         self.expected[slot] = {"proc": p, "standby": False, "rank": rank, "node": node}
         return p
@@ -206,9 +210,28 @@ class Controller:
         with open(log_path, "ab") as out:
             return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def confirm_s(self) -> float:
+        """The agent silence that confirms a machine's loss once a failure has been reported:
+        four agent heartbeats, at least 1 s (never more than the heartbeat timeout)."""
+        return min(self.cfg.heartbeat_timeout_s, max(4 * self.cfg.heartbeat_interval_s, 1.0))
+
     def _node_lost(self, node: int, silent_s: float) -> None:
         self.events.write("machine-lost", node=node, silent_s=round(silent_s, 2),
+                          after_reported_failure=self.agent.suspecting(),
                           roles=sorted(r for r, s in self.role_slots.items() if self.members[s].node == node))
+
+    def _watch_poison(self) -> None:
+        """A stayer poisoned the step after the last commit (a peer's connection broke): a
+        failure is reported, so a silent machine is confirmed lost sooner (:meth:`RemoteAgents.suspect`)."""
+        if self.committed is None or self.roster is None:
+            return
+        at = (self.roster.generation, self.committed[1] + 1)
+        if at == self.poison_seen:
+            return
+        got = self.ch.settled(keys.verdict(*at))
+        if got is not None and got.startswith("poisoned"):
+            self.poison_seen = at
+            self.agent.suspect()
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -229,6 +252,8 @@ class Controller:
                     self.ch.reassert()
                     last_reassert = time.monotonic()
                 self._read_committed()
+                if self.spec.multi_node:
+                    self._watch_poison()
                 self._admit()
                 self._settle()
                 for p in self.agent.poll():
@@ -367,6 +392,8 @@ class Controller:
             return
         if p.name in self.leavers:
             self.events.write("leaver-exit", pid=p.pid, exit=p.exit)
+            return
+        if p.name in self.stopping:  # stopped on purpose (a standby machine turned training machine)
             return
         if role is None and self.draining is not None and slot in self.draining["slots"].values():
             # a drain's joiner died before its switch: the stayers' background build waits on it
@@ -571,6 +598,19 @@ class Controller:
         if resume is None:
             self.events.write("restart", mode="from-scratch", reason=f"role {role} lost before the first step"
                               if role >= 0 else reason)
+        placement: Dict[int, int] = {}
+        if self.spec.multi_node:
+            placement, taken, why = self._restart_placement()
+            if why:
+                self.events.write("failed", reason=f"{reason}; the restart needs {self._training_machines()} "
+                                                   f"machines: {why}")
+                self.exit_code = 1
+                return
+            for s in taken:  # a standby machine becomes a training machine: its standbys make room
+                self.pool.remove(s)
+                self.stopping.add(self.members[s].proc.name)
+                self.agent.kill(self.members[s].proc)
+                del self.members[s]
         # every process but the idle standbys: workers, joiners that took a role, a drain's joiner
         doomed = [m.proc for s, m in self.members.items() if s not in self.pool and m.proc is not None and m.proc.running]
         doomed += [e["proc"] for e in self.expected.values() if not e["standby"] and e["proc"].running]
@@ -593,9 +633,44 @@ class Controller:
         self.store.delete_key(keys.COMMITTED)
         self.committed = None
         for r in range(self.spec.world_size):
-            self._start_worker(r, {ENV_RESUME: str(resume), "PITSTOP_FAULT": ""} if resume is not None else {"PITSTOP_FAULT": ""})
+            self._start_worker(r, {ENV_RESUME: str(resume), "PITSTOP_FAULT": ""} if resume is not None else {"PITSTOP_FAULT": ""},
+                               placement.get(r // self.spec.nproc_per_node))
         self.pending.append({"kind": "restart", "generation": g + 1, "step": (resume or 0) + 1, "fired": fired,
                              "detected": t_detect, "planned": time.time(), "reason": reason, "role": role})
+
+    def _training_machines(self) -> int:
+        return self.spec.world_size // self.spec.nproc_per_node
+
+    def _restart_placement(self) -> tuple:
+        """Where a full restart runs each training machine's ranks: ``({logical machine: machine},
+        standby slots to stop, why not)``.
+
+        A logical machine ``L`` holds ranks ``L*nproc .. L*nproc+nproc-1``. It stays on the live
+        machine that holds all of its roles now (the standby machine that took them over, say),
+        else on machine ``L`` if that is alive, else it moves to a live standby machine whose idle
+        standbys are stopped to free its devices. With too few live machines, nothing starts."""
+        nproc, alive = self.spec.nproc_per_node, (lambda k: not self.agent.nodes[k].lost)
+        out: Dict[int, int] = {}
+        for L in range(self._training_machines()):
+            where = {self.members[self.role_slots[r]].node for r in range(L * nproc, (L + 1) * nproc)
+                     if r in self.role_slots and self.role_slots[r] in self.members}
+            if len(where) == 1 and alive(k := where.pop()) and k not in out.values():
+                out[L] = k
+        for L in range(self._training_machines()):
+            if L not in out and alive(L) and L not in out.values():
+                out[L] = L
+        spares = [k for k in range(self.spec.nodes.max) if alive(k) and k not in out.values()]
+        lost = sorted(k for k in range(self.spec.nodes.max) if not alive(k))
+        taken: List[int] = []
+        for L in range(self._training_machines()):
+            if L in out:
+                continue
+            if not spares:
+                return out, [], (f"machine(s) {lost} are lost and no standby machine is left "
+                                 f"({self.spec.nodes.max - len(lost)} of {self.spec.nodes.max} alive)")
+            out[L] = k = spares.pop(0)
+            taken += [s for s in self.pool if self.members[s].node == k]
+        return out, taken, None
 
     # ------------------------------------------------------------------ planned
     def _check_drain_requests(self) -> None:

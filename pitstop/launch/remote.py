@@ -6,6 +6,17 @@ call is a sealed message to a machine's agent (:mod:`pitstop.launch.node_agent`)
 It also watches each agent's heartbeat: a machine whose agent falls silent for the
 heartbeat timeout is lost, and every process on it is reported as exited at once, so
 the controller sees one correlated failure.
+
+A silent machine is only one sign of loss. When a stayer's collective fails (a peer's
+connection was reset: its step is poisoned), the controller calls :meth:`suspect`, and
+for one heartbeat timeout after that a silence of ``confirm_s`` (a few agent beats)
+is enough::
+
+    agent beats  |  |  |  |  X (machine gone)
+    stayer                      poisoned vote -> suspect()
+    controller                  ... confirm_s of silence -> lost   (not heartbeat_timeout)
+
+A live agent keeps beating, so a suspicion never takes a healthy machine.
 """
 
 from __future__ import annotations
@@ -53,10 +64,13 @@ class RemoteAgents:
 
     def __init__(self, ch: Channel, run_dir: Path, nodes: int, heartbeat_timeout_s: float,
                  on_node_lost: Optional[Callable[[int, float], None]] = None, poll_s: float = 0.05,
-                 join_timeout_s: float = 600.0) -> None:
+                 join_timeout_s: float = 600.0, confirm_s: Optional[float] = None) -> None:
         self.ch = ch
         self.run_dir = Path(run_dir)
         self.timeout = heartbeat_timeout_s
+        self.confirm_s = heartbeat_timeout_s if confirm_s is None else min(confirm_s, heartbeat_timeout_s)
+        """The silence that confirms a loss while a failure is suspected (:meth:`suspect`)."""
+        self.suspected_at: Optional[float] = None
         self.nodes: Dict[int, NodeState] = {k: NodeState() for k in range(nodes)}
         self.cmds: Dict[int, int] = {k: 0 for k in range(nodes)}
         self.procs: Dict[str, RemoteProc] = {}
@@ -90,6 +104,20 @@ class RemoteAgents:
             self._send(p.node, {"op": "kill", "name": p.name, "sig": int(sig)})
 
     # ------------------------------------------------------------------ watching
+    def suspect(self) -> None:
+        """A failure was reported (a poisoned step): for one heartbeat timeout from now,
+        ``confirm_s`` of silence is enough to call a machine lost."""
+        if self.suspected_at is None or time.monotonic() - self.suspected_at > self.timeout:
+            log.info("a failure was reported: a machine silent for %.2fs is lost", self.confirm_s)
+        self.suspected_at = time.monotonic()
+
+    def suspecting(self, now: Optional[float] = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return self.suspected_at is not None and now - self.suspected_at <= self.timeout
+
+    def _timeout(self, now: float) -> float:
+        return self.confirm_s if self.suspecting(now) else self.timeout
+
     def alive(self, node: int) -> bool:
         st = self.nodes[node]
         return st.hello is not None and not st.lost
@@ -100,6 +128,7 @@ class RemoteAgents:
         if now - self._last_poll < self.poll_s:
             return []
         self._last_poll = now
+        timeout = self._timeout(now)
         out: List[RemoteProc] = []
         for k, st in self.nodes.items():
             if st.lost:
@@ -124,10 +153,11 @@ class RemoteAgents:
                 self.ch.refuse(keys.node(k, "hb"), f"replayed: beat {n} after beat {st.beats}")
             elif n > st.beats:
                 st.beats, st.last_beat = n, now
-            elif now - st.last_beat > self.timeout:
+            elif now - st.last_beat > timeout:
                 st.lost = True
                 silent = now - st.last_beat
-                log.warning("machine %d lost: its agent was silent for %.1fs", k, silent)
+                log.warning("machine %d lost: its agent was silent for %.1fs%s", k, silent,
+                            " after a reported failure" if timeout < self.timeout else "")
                 if self.on_node_lost is not None:
                     self.on_node_lost(k, silent)
                 for p in self.procs.values():

@@ -35,7 +35,7 @@ from pitstop import protocol
 from pitstop.emulation import memory
 from pitstop.errors import PitstopError, RecoveryError
 from pitstop.plan import plan_replace
-from pitstop.runtime import keys, sandbox, state
+from pitstop.runtime import keys, sandbox, state, worker
 from pitstop.runtime.framework import MEGATRON, Framework, first_trainable, wrap
 from pitstop.runtime.faults import Fault
 from pitstop.runtime.swap import find_groups, swap_groups
@@ -174,6 +174,16 @@ class Session:
             memory.boundary()
             self._committed = True
             return True
+        try:
+            return self._boundary(step)
+        except Exception as exc:
+            # the store answers every boundary: if it is gone, the controller died. Stop
+            # cleanly (no traceback, exit status 3) instead of failing in whatever touched it
+            if not worker.store_reachable():
+                worker.controller_lost(self.prefix(), exc)
+            raise
+
+    def _boundary(self, step: int) -> bool:
         t0 = time.perf_counter()
         iter_s = t0 - self._t_step
         if self._new_gen:  # the first step after a roster change: is the joiner up to speed?

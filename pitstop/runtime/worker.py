@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import socket
 import threading
 import time
@@ -76,11 +77,44 @@ def current() -> Optional[Membership]:
     return _CURRENT
 
 
+#: The exit status of a process that stopped because the control store (the controller) went away.
+EXIT_CONTROLLER_LOST = 3
+
+
+def store_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether the job's control store still accepts a connection (a fresh client, so a
+    broken connection of this process does not answer for the server)."""
+    host, port = parse_endpoint(os.environ[ENV_STORE])
+    try:
+        dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - refused, reset or timed out: gone either way
+        return False
+    return True
+
+
+def controller_lost(who: str, exc: BaseException) -> None:
+    """Stop this process cleanly because the control store is gone: one clear log line, no
+    traceback, exit status :data:`EXIT_CONTROLLER_LOST`. With the embedded store that means
+    the controller died; a relaunch resumes from the last ``--save-interval`` checkpoint."""
+    log.error("%s the control store %s is gone (%s): the controller died; stopping (exit %d). A relaunch "
+              "resumes from the last checkpoint, if --save-interval made one", who, os.environ.get(ENV_STORE),
+              str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__, EXIT_CONTROLLER_LOST)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CONTROLLER_LOST)
+
+
 class Heartbeat:
     """A daemon thread that bumps this process's heartbeat counter and runs watchers.
 
     It has its own store connection (a store client is not shared across threads).
     A process stopped with SIGSTOP stops beating, which is how a hang is seen.
+
+    If the store itself goes away (the controller died), the process stops: a standby at
+    once, a worker after ``grace_s``, which leaves its training thread time to meet the
+    loss at its next boundary and stop there itself (:func:`controller_lost`); the grace
+    only matters when that thread is stuck, so nothing waits forever.
     """
 
     def __init__(self, slot: int, interval_s: float, main: Channel) -> None:
@@ -91,6 +125,8 @@ class Heartbeat:
         self.beats = 0
         self.interval_s = interval_s
         self.watchers: List[Callable[[Channel], None]] = []
+        self.grace_s = 0.0
+        """How long a worker's training thread gets to stop by itself once the store is gone."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"pitstop-heartbeat-{slot}", daemon=True)
 
@@ -109,9 +145,18 @@ class Heartbeat:
                 self.channel.reassert()
                 for w in list(self.watchers):
                     w(self.channel)
-            except Exception as exc:  # noqa: BLE001 - the controller went away; nothing to beat for
-                log.debug("heartbeat %d: %s", self.slot, exc)
-                return
+            except Exception as exc:  # noqa: BLE001 - checked below: a dead store, or a passing error
+                if self._stop.is_set():
+                    return
+                if store_reachable():
+                    log.warning("heartbeat %d: %s", self.slot, str(exc).splitlines()[0][:200])
+                else:
+                    if self.grace_s > 0 and not self._stop.wait(self.grace_s):
+                        log.error("heartbeat %d: the training thread did not stop within %.0fs of the store's loss",
+                                  self.slot, self.grace_s)
+                    if not self._stop.is_set():
+                        controller_lost(f"[slot {self.slot}]", exc)
+                    return
             self._stop.wait(self.interval_s)
 
 
@@ -260,7 +305,12 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
 
             sandbox.warm_up(ch, slot, warmup, interrupted=interrupted, timeout_s=cfg.collective_timeout_s * 5)
         log.info("[standby %d] warm and waiting for a role", slot)
-        assignment = _wait_assignment(ch, slot, world)
+        try:
+            assignment = _wait_assignment(ch, slot, world)
+        except Exception as exc:  # noqa: BLE001 - the store gone is a clean stop; anything else propagates
+            if not store_reachable():
+                controller_lost(f"[standby {slot}]", exc)
+            raise
         if assignment is None:
             log.info("[standby %d] the job is over; leaving", slot)
             os._exit(0)
@@ -270,6 +320,7 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
         assignment = {}
         role, gen = int(os.environ["RANK"]), int(os.environ.get(ENV_GENERATION, 0))
         mode = "restart" if os.environ.get(ENV_RESUME) else "worker"
+    hb.grace_s = cfg.collective_timeout_s + 5.0  # a worker's training thread stops by itself at its boundary
     _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb, channel=ch)
     init_world(store, role, world, timeout, epoch=epoch, detached=_CURRENT.joiner)
     if _CURRENT.joiner:  # builds its role without talking to anyone until the session takes its state
