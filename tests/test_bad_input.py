@@ -92,6 +92,13 @@ def test_errors_form_one_hierarchy():
      "'inf': expected a finite number of seconds > 0"),
     (["launch", "--nproc-per-node", "2", "--hold-for-warm", "-1", "--", "examples/train_gpt.py"],
      "'-1': expected a finite number of seconds >= 0"),
+    (["launch", "--nproc-per-node", "2", "--heartbeat-timeout", "5", "--", "examples/train_gpt.py",
+      "--pitstop-heartbeat-timeout", "3"],
+     "the training script's --pitstop-heartbeat-timeout 3.0 and pitstop launch's --heartbeat-timeout 5.0 disagree"),
+    (["launch", "--nproc-per-node", "2", "--", "examples/train_gpt.py", "--pitstop-collective-timeout", "abc"],
+     "the training script's argument --pitstop-collective-timeout: invalid float value: 'abc'"),
+    (["launch", "--nproc-per-node", "2", "--", "examples/train_gpt.py", "--pitstop-heartbeat-timeout", "500"],
+     "0.5 < 500.0 < 120.0"),
     (["drain", "--run-dir", "/nonexistent/run", "--rank", "1"], "/nonexistent/run/controller.json does not exist"),
     (["drain", "--run-dir", "/nonexistent/run", "--rank", "-3"], "--rank: '-3': expected an integer >= 0"),
     (["status", "--run-dir", "/nonexistent/run"], "'/nonexistent/run': no such run directory"),
@@ -180,3 +187,57 @@ def test_launch_refuses_a_bad_deepspeed_pitstop_section_before_anything_starts(t
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert needle in r.stderr, r.stderr
     assert not (run_dir / "events.jsonl").exists(), "the job started"
+
+
+def test_the_scripts_pitstop_flags_reach_the_controller(tmp_path):
+    """`--pitstop-*` flags given to the script set the controller's settings too (the controller
+    restarts from the checkpoint directory the workers save to); launch's own flags win when
+    they agree, and the DeepSpeed section is weakest."""
+    from pitstop.launch.cli import _parser, launch_spec
+
+    argv = ["launch", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"), "--collective-timeout", "90",
+            "--", "examples/train_gpt.py", "--tp", "2", "--pitstop-heartbeat-timeout", "3", "--pitstop-save-interval",
+            "4", "--pitstop-save-dir", str(tmp_path / "ck"), "--pitstop-no-buddy", "--pitstop-collective-timeout=90"]
+    spec, node_rank, endpoint = launch_spec(_parser().parse_args(argv))
+    c = spec.config
+    assert (c.heartbeat_timeout_s, c.save_interval, c.save_dir, c.buddy, c.collective_timeout_s) == \
+        (3.0, 4, str(tmp_path / "ck"), False, 90.0)
+    assert (c.heartbeat_interval_s, c.warmup, node_rank, endpoint) == (0.5, True, 0, None)  # untouched defaults
+    assert spec.argv[-1] == "--pitstop-collective-timeout=90"  # the script still gets all its flags
+    plain = launch_spec(_parser().parse_args(argv[:5] + ["--", "examples/train_gpt.py"]))[0].config
+    assert (plain.heartbeat_timeout_s, plain.save_interval, plain.save_dir, plain.buddy) == (5.0, 0, "", True)
+
+
+def test_megatron_communicators_use_pitstops_collective_timeout_inside_a_job(tmp_path):
+    """`--pitstop-collective-timeout` reaches Megatron's communicators (and their gloo twins):
+    inside a pitstop job they time out on pitstop's schedule, not after distributed_timeout_minutes."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, torch.distributed as dist
+from pitstop.integrations import megatron as meg
+from pitstop.pg import init_world
+from pitstop.runtime import worker
+from pitstop.runtime.config import RuntimeConfig
+
+def timeouts(reg):
+    out = set()
+    for g in reg.communicators():
+        b = getattr(g, "raw", g)._get_backend(torch.device("cpu"))
+        out.add(b.options._timeout.total_seconds())
+    return out
+
+store = dist.HashStore()
+init_world(store, 0, 1)
+reg = meg.initialize_model_parallel(1, 1, distributed_timeout_minutes=7)
+print("outside", sorted(timeouts(reg)))
+meg.destroy_model_parallel()
+worker._CURRENT = worker.Membership(0, 1, 0, "worker", store=store, config=RuntimeConfig(collective_timeout_s=42.0, warmup=False))
+reg = meg.initialize_model_parallel(1, 1, distributed_timeout_minutes=7)
+print("inside", sorted(timeouts(reg)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "outside [420.0]" in out.stdout and "inside [42.0]" in out.stdout, out.stdout + out.stderr[-2000:]
+

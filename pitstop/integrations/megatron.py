@@ -278,7 +278,7 @@ def initialize_model_parallel(
         store if store is not None else c10d._get_default_store(),
         generation=_default_generation() if generation is None else generation,
         backend=backend,
-        timeout=timedelta(minutes=distributed_timeout_minutes),
+        timeout=_group_timeout(distributed_timeout_minutes),
         gloo_twins=create_gloo_process_groups,
     )
     sandbox.maybe_start_recording(layout, dist.get_rank())
@@ -287,6 +287,19 @@ def initialize_model_parallel(
     if emulation.active():
         emulation.groups_ready(len(reg.entries()))
     return reg
+
+
+def _group_timeout(distributed_timeout_minutes: int) -> timedelta:
+    """Inside a pitstop job, every communicator uses pitstop's collective timeout
+    (``--pitstop-collective-timeout``): a stayer blocked on a dead peer must give up on
+    pitstop's schedule, not after Megatron's ``distributed_timeout_minutes``. Outside
+    one, Megatron's value stands."""
+    from pitstop.runtime.worker import current
+
+    m = current()
+    if m is not None and m.controlled:
+        return timedelta(seconds=m.config.collective_timeout_s)
+    return timedelta(minutes=distributed_timeout_minutes)
 
 
 def _default_generation() -> int:

@@ -95,8 +95,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="no record of iteration 1 and no sandboxed warmup: standbys join cold")
     la.add_argument("--hold-for-warm", type=_seconds0, default=None, metavar="S",
                     help="after step 1, hold training up to S seconds until every standby is warm (default 0: don't)")
-    la.add_argument("--save-interval", type=_count(0), default=0, metavar="K",
+    la.add_argument("--save-interval", type=_count(0), default=None, metavar="K",
                     help="dist_checkpointing save every K steps: the fallback when no standby is left (0: off)")
+    la.add_argument("--save-dir", default=None, metavar="DIR",
+                    help="where checkpoints go (default <run-dir>/checkpoints)")
     la.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
 
     dr = sub.add_parser("drain", help="move a rank (or every rank of a host) to a standby, training on")
@@ -276,39 +278,15 @@ def _emulate(args) -> int:
 def _launch(args) -> int:
     from pathlib import Path
 
-    from pitstop.launch.controller import Controller, LaunchSpec
-    from pitstop.runtime.config import RuntimeConfig
+    from pitstop.launch.controller import Controller
 
-    script = list(args.script)
-    if script and script[0] == "--":
-        script = script[1:]
-    given = {k: getattr(args, k) for k in _LAUNCH_DEFAULTS if getattr(args, k) is not None}
-    section = _deepspeed_section(script[1:])
-    if section is not None:  # the DeepSpeed config's "pitstop" section; explicit flags win
-        given = {**_section_flags(section), **given}
-    v = {**_LAUNCH_DEFAULTS, **given}
-    cfg = RuntimeConfig(
-        heartbeat_interval_s=v["heartbeat_interval"], heartbeat_timeout_s=v["heartbeat_timeout"],
-        collective_timeout_s=v["collective_timeout"], buddy=not v["no_buddy"], warmup=not v["no_warmup"],
-        hold_for_warm_s=v["hold_for_warm"], save_interval=args.save_interval,
-    )
-    import os
-
-    from pitstop.launch.nodes import Nodes, from_slurm
-
-    slurm = from_slurm(os.environ)
-    nnodes = args.nnodes or (str(slurm.nnodes) if slurm else "1")
-    node_rank = args.node_rank if args.node_rank is not None else (slurm.node_rank if slurm else 0)
-    endpoint = args.rdzv_endpoint or (f"{slurm.head}:29400" if slurm and Nodes.parse(nnodes).max > 1 else None)
-    env = {k: v for k, v in os.environ.items() if k == "PITSTOP_FAULT"}
-    spec = LaunchSpec(script, args.nproc_per_node, v["standby"], nnodes, endpoint,
-                      Path(args.run_dir), cfg, env, local_addr=args.local_addr)
-    spec.nodes.check_rank(node_rank)
+    spec, node_rank, endpoint = launch_spec(args)
+    script, cfg = spec.argv, spec.config
     if not Path(script[0]).exists():
         raise PitstopError(f"training script {script[0]!r} does not exist")
     _check_layout(script[1:], spec.world_size)
     if spec.multi_node and not endpoint:
-        raise PitstopError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the head machine's address "
+        raise PitstopError(f"--nnodes {spec.nnodes}: give --rdzv-endpoint HOST:PORT, the head machine's address "
                            "(every machine's launch uses the same one)")
     if node_rank > 0:  # not the head: this machine's agent only
         from pitstop.launch.node_agent import NodeAgent, setup_logging
@@ -322,9 +300,91 @@ def _launch(args) -> int:
     return Controller(spec).run()
 
 
-#: `pitstop launch` settings a DeepSpeed config's "pitstop" section may also give (flag dest -> default).
+def launch_spec(args):
+    """``(LaunchSpec, node rank, rendezvous endpoint)`` of parsed ``pitstop launch`` arguments.
+
+    Settings come, strongest first, from ``pitstop launch``'s flags, the training script's
+    own ``--pitstop-*`` flags (:func:`_script_flags`: the controller must use what the
+    workers use), and the DeepSpeed config's ``"pitstop"`` section. A setting given both
+    to ``pitstop launch`` and to the script with different values is refused."""
+    import os
+    from pathlib import Path
+
+    from pitstop.launch.controller import LaunchSpec
+    from pitstop.runtime.config import RuntimeConfig
+
+    script = list(args.script)
+    if script and script[0] == "--":
+        script = script[1:]
+    if not script:
+        raise PitstopError("no training script given: pitstop launch [options] -- SCRIPT ARGS...")
+    given = {k: getattr(args, k) for k in _LAUNCH_DEFAULTS if getattr(args, k, None) is not None}
+    from_script = _script_flags(script[1:])
+    for k, val in from_script.items():
+        if k in given and given[k] != val:
+            raise PitstopError(
+                f"the training script's {_SCRIPT_FLAG[k]} {_show(val)} and pitstop launch's --{k.replace('_', '-')} "
+                f"{_show(given[k])} disagree: the controller and the workers must use one value; give it once, "
+                "to pitstop launch")
+    section = _deepspeed_section(script[1:])
+    base = _section_flags(section) if section is not None else {}  # the DeepSpeed config's "pitstop" section
+    v = {**_LAUNCH_DEFAULTS, **base, **from_script, **given}
+    cfg = RuntimeConfig(
+        heartbeat_interval_s=v["heartbeat_interval"], heartbeat_timeout_s=v["heartbeat_timeout"],
+        collective_timeout_s=v["collective_timeout"], buddy=not v["no_buddy"], warmup=not v["no_warmup"],
+        hold_for_warm_s=v["hold_for_warm"], save_interval=v["save_interval"], save_dir=v["save_dir"],
+    )
+
+    from pitstop.launch.nodes import Nodes, from_slurm
+
+    slurm = from_slurm(os.environ)
+    nnodes = args.nnodes or (str(slurm.nnodes) if slurm else "1")
+    node_rank = args.node_rank if args.node_rank is not None else (slurm.node_rank if slurm else 0)
+    endpoint = args.rdzv_endpoint or (f"{slurm.head}:29400" if slurm and Nodes.parse(nnodes).max > 1 else None)
+    env = {k: v for k, v in os.environ.items() if k == "PITSTOP_FAULT"}
+    spec = LaunchSpec(script, args.nproc_per_node, v["standby"], nnodes, endpoint,
+                      Path(args.run_dir), cfg, env, local_addr=args.local_addr)
+    spec.nodes.check_rank(node_rank)
+    return spec, node_rank, endpoint
+
+
+def _show(v) -> str:
+    return "(set)" if v is True else repr(v) if isinstance(v, str) else str(v)
+
+
+#: `pitstop launch` settings, by flag dest, with their defaults. A DeepSpeed config's "pitstop"
+#: section gives some of them; the script's --pitstop-* flags any of them but the standby count.
 _LAUNCH_DEFAULTS = {"standby": 0, "heartbeat_interval": 0.5, "heartbeat_timeout": 5.0, "collective_timeout": 120.0,
-                    "no_buddy": False, "no_warmup": False, "hold_for_warm": 0.0}
+                    "no_buddy": False, "no_warmup": False, "hold_for_warm": 0.0, "save_interval": 0, "save_dir": ""}
+#: The script's flag (pitstop.integrations.megatron.add_pitstop_args) of each launch setting.
+_SCRIPT_FLAG = {"heartbeat_interval": "--pitstop-heartbeat-interval", "heartbeat_timeout": "--pitstop-heartbeat-timeout",
+                "collective_timeout": "--pitstop-collective-timeout", "no_buddy": "--pitstop-no-buddy",
+                "no_warmup": "--pitstop-no-warmup", "hold_for_warm": "--pitstop-hold-for-warm",
+                "save_interval": "--pitstop-save-interval", "save_dir": "--pitstop-save-dir"}
+
+
+def _script_flags(script_args: List[str]) -> dict:
+    """The ``--pitstop-*`` flags given explicitly in the training script's arguments, as launch
+    settings (``{"heartbeat_timeout": 3.0, "no_buddy": True, ...}``). Parsed with the same
+    definitions the script uses (``add_pitstop_args``), so both read one value the same way."""
+    from pitstop.integrations.megatron import add_pitstop_args
+
+    p = argparse.ArgumentParser(prog="the training script's --pitstop-* flags", add_help=False, exit_on_error=False,
+                                allow_abbrev=False)
+    add_pitstop_args(p)
+    for a in p._actions:  # only what the script's arguments say (not set_defaults: argparse would parse the marker)
+        a.default = argparse.SUPPRESS
+    try:
+        ns, _ = p.parse_known_args(script_args)
+    except argparse.ArgumentError as exc:
+        raise PitstopError(f"the training script's {exc}") from None
+    got = vars(ns)
+    out = {}
+    for dest, flag in _SCRIPT_FLAG.items():
+        key = {"no_buddy": "pitstop_buddy", "no_warmup": "pitstop_warmup"}.get(dest, "pitstop_" + dest)
+        if key in got:
+            out[dest] = (not got[key]) if dest.startswith("no_") else got[key]
+    return out
 #: Where a training script takes its DeepSpeed config (DeepSpeed's own flag, and examples/train_deepspeed.py's).
 _DS_CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config", "--deepscale_config")
 
