@@ -453,3 +453,54 @@ def test_the_controllers_death_stops_every_process_cleanly(tmp_path):
         text = path.read_text(errors="replace")
         assert "the control store" in text and "is gone" in text and "exit 3" in text, f"{path}:\n{text[-3000:]}"
         assert "Traceback" not in text, f"{path}:\n{text[-3000:]}"
+
+
+# --------------------------------------------------------------------------- no peer holds the state
+def test_no_buddy_with_a_standby_falls_back_to_the_checkpoint_and_says_why(reference, tmp_path):
+    """`--no-buddy`: no peer keeps a copy of a rank's state, so a standby cannot be given it.
+    A SIGKILL is an explicit checkpoint restart whose event says why; the standby stays
+    unused; bitwise."""
+    fault = Fault.kill(rank=6).at(step=6, phase="grad-reduce")
+    res = run_job(tmp_path / "run", STEPS, standby=1, faults=fault.spec(),
+                  launch_args=["--save-interval", "2", "--no-buddy", "--no-warmup"])
+    fb = res.of("fallback")
+    assert len(fb) == 1 and fb[0]["resume_step"] == 4 and "--no-buddy" in fb[0]["reason"], res.tails()
+    assert not res.of("replaced"), res.tails()
+    assert_same_run(res, reference)
+
+
+#: world 4, tp2 pp2: dp = 1, no data-parallel peer holds any rank's optimizer state
+DP1 = ["examples/train_gpt.py", "--tp", "2", "--pp", "2", "--checksum"]
+
+
+@pytest.fixture(scope="module")
+def reference_dp1(tmp_path_factory):
+    res = run_job(tmp_path_factory.mktemp("reference_dp1"), STEPS, nproc=4, gpt=DP1, launch_args=["--no-warmup"])
+    assert res.code == 0 and len(res.checksums) == 4, res.tails()
+    return res
+
+
+def test_dp1_failure_falls_back_to_the_checkpoint_and_says_why(reference_dp1, tmp_path):
+    """dp = 1: a killed rank's state exists nowhere else, so the standby is not used; the job
+    restarts from the checkpoint with a `fallback` event naming the missing peer; bitwise."""
+    fault = Fault.kill(rank=1).at(step=5, phase="backward")
+    res = run_job(tmp_path / "run", STEPS, nproc=4, gpt=DP1, standby=1, faults=fault.spec(),
+                  launch_args=["--save-interval", "2", "--no-warmup"])
+    fb = res.of("fallback")
+    assert len(fb) == 1 and fb[0]["resume_step"] == 4, res.tails()
+    assert "role 1: no data-parallel peer holds its shard" in fb[0]["reason"], fb
+    assert not res.of("replaced"), res.tails()
+    assert_same_run(res, reference_dp1)
+
+
+def test_dp1_drain_takes_the_state_from_the_leaver(reference_dp1, tmp_path):
+    """dp = 1 has no peer copy, but a drain needs none: the leaver hands its own state over."""
+    def during(run_dir):  # asked for while training holds after step 1 for the standby's warmup
+        wait_for_event(run_dir, "recorded", n=2)
+        request_drain(run_dir, rank=3)
+
+    res = run_job(tmp_path / "run", STEPS, nproc=4, gpt=DP1, standby=1, during=during,
+                  launch_args=["--hold-for-warm", "60"])
+    assert_same_run(res, reference_dp1)
+    d = res.of("drained")
+    assert len(d) == 1 and d[0]["role"] == 3 and d[0]["generation"] == 1, res.tails()

@@ -9,8 +9,9 @@ machine, each on its own loopback address; ``4:5`` adds a standby machine. Four 
 3. machine 2 (roles 4, 5) SIGKILLed after step 3, the standby machine takes over;
 4. ``pitstop drain --host`` of machine 3 onto the standby machine;
 
-plus the overlap cases on one host (two ranks killed at once; a joiner killed during its
-recovery). Every time comes from the controller's event log.
+plus three overlap cases on the same machines (ranks 1 and 6 killed at once; a joiner
+killed during machine 2's recovery; a machine lost with no standby machine left, which
+must end in a clear ``failed``). Every time comes from the controller's event log.
 """
 
 from __future__ import annotations
@@ -68,27 +69,35 @@ def bench_machines(steps: int = 10, run_dir: str = "runs/bench-machines") -> Dic
 
     drained = _machines(base / "host-drain", steps, "4:5", drain_host, ["--hold-for-warm", "120"])
 
-    # overlapping and correlated failures, on one host
-    def two_at_once(d: Path) -> None:
+    # correlated and overlapping failures, on the machines too
+    def roles_pids(d: Path, roles) -> List[int]:
         import json
 
-        wait_for_event(d, "warmed", n=2)
-        wait_for_step(d, 3)
         roster = json.loads((d / "roster.json").read_text())
-        for r in (4, 5):
-            os.kill(roster["roles"][r]["pid"], signal.SIGKILL)
+        return [roster["roles"][r]["pid"] for r in roles]
 
-    both = run_job(base / "two-at-once", steps, standby=2, during=two_at_once, launch_args=["--hold-for-warm", "60"])
+    def two_at_once(m) -> None:  # rank 1 (machine 0) and rank 6 (machine 3); the machines stay up
+        wait_for_event(m.run_dir, "warmed", n=2, timeout=600)
+        wait_for_step(m.run_dir, 3, timeout=600)
+        for pid in roles_pids(m.run_dir, (1, 6)):
+            os.kill(pid, signal.SIGKILL)
 
-    def joiner_dies(d: Path) -> None:
-        import json
+    both = _machines(base / "two-at-once", steps, "4:5", two_at_once, ["--hold-for-warm", "120"])
 
-        wait_for_event(d, "failure")
-        os.kill(json.loads((d / "roster.json").read_text())["roles"][6]["pid"], signal.SIGKILL)
+    def joiner_dies(m) -> None:  # machine 2 lost, then a joiner on the standby machine during the recovery
+        wait_for_event(m.run_dir, "warmed", n=2, timeout=600)
+        wait_for_step(m.run_dir, 3, timeout=600)
+        m.kill_machine(2)
+        wait_for_event(m.run_dir, "failure", timeout=120)
+        os.kill(roles_pids(m.run_dir, (5,))[0], signal.SIGKILL)
 
-    overlap = run_job(base / "joiner-dies", steps, standby=2, during=joiner_dies,
-                      faults=Fault.kill(rank=6).at(step=5, phase="backward").spec(),
-                      launch_args=["--save-interval", "2", "--no-warmup"])
+    overlap = _machines(base / "joiner-dies", steps, "4:5", joiner_dies, ["--hold-for-warm", "120", "--save-interval", "2"])
+
+    def no_spare(m) -> None:
+        wait_for_step(m.run_dir, 3, timeout=600)
+        m.kill_machine(1)
+
+    nospare = _machines(base / "no-standby-machine", steps, "4", no_spare, ["--save-interval", "2", "--no-warmup"])
 
     rst = (restart.of("restarted") or [{}])[0]
     rep = [e for e in failure.of("replaced") if e.get("roles") == [4, 5]]
@@ -101,8 +110,10 @@ def bench_machines(steps: int = 10, run_dir: str = "runs/bench-machines") -> Dic
     dr = [e for e in drained.of("drained") if e.get("roles") == [6, 7]]
     dr0 = dr[0] if dr else {}
     cases = {
-        "two_ranks_at_once": bool(both.of("replaced")) and _identical(both, ref, steps),
-        "joiner_dies_during_recovery": bool(overlap.of("fallback")) and _identical(overlap, ref, steps),
+        "two_ranks_on_two_machines_at_once": bool(both.of("replaced")) and _identical(both, ref, steps),
+        "joiner_dies_during_a_machines_recovery": bool(overlap.of("fallback")) and _identical(overlap, ref, steps),
+        "machine_lost_with_no_standby_machine_fails_clearly": nospare.code == 1 and any(
+            "no standby machine is left" in e.get("reason", "") for e in nospare.of("failed")),
     }
     return {"bench": "machines", "layout": "world 8, tp2 pp2 dp2, 4 machines x 2 processes (+1 standby machine)",
             "machine_failure": {
@@ -114,7 +125,9 @@ def bench_machines(steps: int = 10, run_dir: str = "runs/bench-machines") -> Dic
                 "standby_machine": sorted({v.split(":")[0] for v in rep0.get("new", {}).values()}) if rep0 else None,
                 "baseline_loss_identical": _identical(restart, ref, steps),
                 "breakdown": {"detect_s": None if not (lost and t_kill) else round(lost["time"] - t_kill["t"], 4),
-                              "heartbeat_silent_s": lost.get("silent_s"), "plan_s": rep0.get("plan_s"),
+                              "heartbeat_silent_s": lost.get("silent_s"),
+                              "confirmed_after_reported_failure": lost.get("after_reported_failure"),
+                              "heartbeat_timeout_s": 10.0, "plan_s": rep0.get("plan_s"),
                               "groups_s": rep0.get("groups_s"), "state_s": rep0.get("state_s"),
                               "first_step_s": rep0.get("first_step_s"), "rebuilt": rep0.get("rebuilt")}},
             "host_drain": {"pause_s": dr0.get("pause_s"), "steady_iteration_s": dr0.get("steady_iter_s"),

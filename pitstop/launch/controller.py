@@ -514,9 +514,14 @@ class Controller:
                              "warm": all(self._warm(s) for s in slots.values())})
 
     def _unrecoverable(self, roles: List[int]) -> List[str]:
-        """Why peers cannot give these roles their state (empty: they can), from the layout rank 0 published."""
+        """Why peers cannot give these roles their state (empty: they can), from the layout rank 0
+        published: no buddy copies are kept at all (``--no-buddy``), a role has no data-parallel
+        peer (dp = 1), or its copy's holder was lost with it. A drain needs none of this: its
+        state comes from the leaver."""
+        if not self.cfg.buddy:
+            return [f"role(s) {','.join(map(str, roles))}: no peer keeps a copy of their state (--no-buddy)"]
         lay = self.ch.read(keys.LAYOUT, protocol.LAYOUT)
-        if lay is None or len(roles) == 1:  # one role: its ring successor is alive by definition
+        if lay is None:
             return []
         from pitstop.layout import ParallelLayout
         from pitstop.plan import unrecoverable
