@@ -35,6 +35,7 @@ from pitstop.errors import GroupError, RosterError, UnknownGroupKindError
 from pitstop.layout import ParallelLayout
 from pitstop.plan import comm_kinds, plan_replace, realization
 from pitstop.roster import ProcessInfo
+from pitstop.store import sealed
 
 log = logging.getLogger("pitstop.groups")
 
@@ -150,7 +151,9 @@ class GroupRegistry:
         return f"{self.prefix}:g{gen}:{kind}{suffix}:{digest}"
 
     def _store_for(self, gen: int, base: Optional[dist.Store] = None) -> dist.Store:
-        return dist.PrefixStore(f"{self.prefix}/g{gen}", base if base is not None else self.store)
+        """The generation's prefix; inside a pitstop job its values are sealed with the job
+        token (:func:`pitstop.store.sealed`), so junk cannot redirect a rendezvous."""
+        return dist.PrefixStore(f"{self.prefix}/g{gen}", sealed(base if base is not None else self.store))
 
     # ----------------------------------------------------------------- building
     def _build_comm(self, kind: str, ranks: Tuple[int, ...], gen: int, base: Optional[dist.Store] = None) -> Entry:

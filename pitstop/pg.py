@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from pitstop.errors import GroupError
+from pitstop.protocol import Refused, open_raw, seal_raw
 
 WORLD_BACKEND = "pitstop_world"
 
@@ -197,6 +198,10 @@ class StoreWorldGroup(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout
         self._seq = 0
+        from pitstop import store as _store
+
+        self._token = _store.JOB_TOKEN
+        """Seals every value this group writes (None outside a pitstop job)."""
         self.detached = False
         """A joiner builds its model before it is in step with the world: until
         :meth:`attach` its world operations are answered from rank 0's record."""
@@ -215,6 +220,19 @@ class StoreWorldGroup(dist.ProcessGroup):
         self.detached = False
 
     # --- helpers -------------------------------------------------------------
+    def _put(self, key: str, data: bytes) -> None:
+        """Values are sealed with the job token when there is one (see :class:`pitstop.store.SealedStore`)."""
+        self._store.set(key, data if self._token is None else seal_raw(self._token, key, bytes(data)))
+
+    def _get(self, key: str) -> bytes:
+        raw = self._store.get(key)
+        if self._token is None:
+            return raw
+        try:
+            return open_raw(self._token, key, raw)
+        except Refused as exc:
+            raise GroupError(f"world group rank {self.rank()}: {exc}") from None
+
     def _next(self) -> str:
         self._seq += 1
         return f"op{self._seq}"
@@ -225,12 +243,12 @@ class StoreWorldGroup(dist.ProcessGroup):
     # detached joiner replays its own n-th operation from that record.
     def _record(self, op: str, outs: List[torch.Tensor]) -> None:
         if self.rank() == 0:
-            self._store.set(f"rec/{op}", b"".join(o.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() for o in outs))
+            self._put(f"rec/{op}", b"".join(o.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() for o in outs))
 
     def _replay(self, outs: List[torch.Tensor]) -> DoneWork:
         op = self._next()
         self._wait_keys([f"rec/{op}"])
-        raw = bytearray(self._store.get(f"rec/{op}"))
+        raw = bytearray(self._get(f"rec/{op}"))
         need = sum(o.numel() * o.element_size() for o in outs)
         if len(raw) != need:
             raise GroupError(
@@ -260,11 +278,11 @@ class StoreWorldGroup(dist.ProcessGroup):
 
     def _exchange(self, op: str, t: torch.Tensor) -> List[torch.Tensor]:
         keys = [f"{op}/{r}" for r in range(self.size())]
-        self._store.set(keys[self.rank()], t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        self._put(keys[self.rank()], t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         self._wait_keys(keys)
         out = []
         for k in keys:
-            raw = bytearray(self._store.get(k))
+            raw = bytearray(self._get(k))
             out.append(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
         return out
 
@@ -284,7 +302,7 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._tap("barrier", ())
         op = self._next()
         if self._store.add(f"{op}/n", 1) == self.size():
-            self._store.set(f"{op}/go", b"1")  # the last to arrive opens the gate
+            self._put(f"{op}/go", b"1")  # the last to arrive opens the gate
         self._wait_keys([f"{op}/go"])
         self._finish(op, [f"{op}/n", f"{op}/go"])
         return DoneWork()
@@ -317,9 +335,9 @@ class StoreWorldGroup(dist.ProcessGroup):
                 continue
             op = self._next()
             if self.rank() == root:
-                self._store.set(f"{op}/root", t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                self._put(f"{op}/root", t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             self._wait_keys([f"{op}/root"])
-            raw = bytearray(self._store.get(f"{op}/root"))
+            raw = bytearray(self._get(f"{op}/root"))
             t.copy_(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
             self._record(op, [t])
             self._finish(op, [f"{op}/root"])
@@ -354,11 +372,11 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._no_replay("gather")
             op = self._next()
             keys = [f"{op}/{r}" for r in range(self.size())]
-            self._store.set(keys[self.rank()], t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            self._put(keys[self.rank()], t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             if self.rank() == root:
                 self._wait_keys(keys)
                 for o, k in zip(output_tensors[i], keys):
-                    o.copy_(torch.frombuffer(bytearray(self._store.get(k)), dtype=torch.uint8).view(o.dtype).view(o.shape))
+                    o.copy_(torch.frombuffer(bytearray(self._get(k)), dtype=torch.uint8).view(o.dtype).view(o.shape))
             self._finish(op, keys)  # the last to finish deletes; the root has read by then
         return DoneWork([o for outs in output_tensors for o in outs])
 
@@ -371,9 +389,9 @@ class StoreWorldGroup(dist.ProcessGroup):
             keys = [f"{op}/{r}" for r in range(self.size())]
             if self.rank() == root:
                 for k, src in zip(keys, input_tensors[i]):
-                    self._store.set(k, src.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                    self._put(k, src.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             self._wait_keys([keys[self.rank()]])
-            raw = bytearray(self._store.get(keys[self.rank()]))
+            raw = bytearray(self._get(keys[self.rank()]))
             t.copy_(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
             self._finish(op, keys)
         return DoneWork(list(output_tensors))

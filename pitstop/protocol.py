@@ -87,6 +87,35 @@ def seal(token: Union[str, bytes], key: str, body: Any) -> bytes:
     return MAGIC + _mac(tok, key, payload) + b"." + payload
 
 
+MAGIC_RAW = b"ps1r."
+DOMAIN_RAW = b"pitstop/1/raw"
+
+
+def seal_raw(token: bytes, key: str, data: bytes) -> bytes:
+    """Opaque bytes (a gloo address, an NCCL id, a world-collective payload) sealed for ``key``:
+    ``ps1r.<hex mac>.<data>``. A domain of its own, so a raw value never opens as a message."""
+    if not token:
+        raise PitstopError("no job token: a value cannot be sealed (is PITSTOP_JOB_TOKEN set?)")
+    mac = hmac.new(token, DOMAIN_RAW + b"\0" + key.encode() + b"\0" + data, hashlib.sha256).hexdigest().encode()
+    return MAGIC_RAW + mac + b"." + data
+
+
+def open_raw(token: bytes, key: str, raw: Any, max_bytes: int = 64 * 1024 * 1024) -> bytes:
+    """The bytes :func:`seal_raw` sealed for ``key``; :class:`Refused` naming why not."""
+    if not isinstance(raw, (bytes, bytearray)):
+        raise Refused(key, f"value of type {type(raw).__name__}, expected bytes")
+    raw = bytes(raw)
+    if len(raw) > max_bytes:
+        raise Refused(key, f"oversized: {len(raw)} bytes > {max_bytes}")
+    if not raw.startswith(MAGIC_RAW) or raw[len(MAGIC_RAW) + 64:len(MAGIC_RAW) + 65] != b".":
+        raise Refused(key, f"unauthenticated: no sealed envelope (starts {raw[:12]!r})")
+    mac, data = raw[len(MAGIC_RAW):len(MAGIC_RAW) + 64], raw[len(MAGIC_RAW) + 65:]
+    want = hmac.new(token, DOMAIN_RAW + b"\0" + key.encode() + b"\0" + data, hashlib.sha256).hexdigest().encode()
+    if not hmac.compare_digest(mac, want):
+        raise Refused(key, "bad MAC: not written with this job's token, or written for another key")
+    return data
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 

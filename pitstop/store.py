@@ -6,14 +6,17 @@ hosts it, exactly as ``init_process_group("env://")`` would.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from datetime import timedelta
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch.distributed as dist
 
 from pitstop.errors import PitstopError
+
+log = logging.getLogger(__name__)
 
 ENV_STORE = "PITSTOP_STORE"
 
@@ -70,3 +73,83 @@ def connect_from_env(timeout: timedelta = timedelta(minutes=5)) -> dist.TCPStore
         ) from None
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     return dist.TCPStore(host, port, is_master=(rank == 0 and not agent), wait_for_workers=False, timeout=timeout)
+
+
+JOB_TOKEN: Optional[bytes] = None
+"""The job token once this process has joined a pitstop job (set by
+:func:`pitstop.runtime.worker.join`): the world group and the group registry seal
+their rendezvous values with it. None outside a job (plain torchrun, tests, emulation)."""
+
+#: Every SealedStore made, kept alive: c10d holds only the C++ half of a Python store, and
+#: the pybind trampoline finds the Python methods through the Python object, so one
+#: collected while a PrefixStore or a process group still uses it would fail ("Not
+#: implemented"). One per process plus one per group rebuild: a handful.
+_ALIVE: list = []
+
+
+def sealed(store: dist.Store) -> dist.Store:
+    """``store`` behind a :class:`SealedStore` when this process holds a job token, else as is."""
+    return SealedStore(store, JOB_TOKEN) if JOB_TOKEN else store
+
+
+class SealedStore(dist.Store):
+    """A store whose values are sealed with the job token (:func:`pitstop.protocol.seal_raw`).
+
+    Every communicator's rendezvous (gloo's addresses, NCCL's unique ids) goes through
+    it (:meth:`pitstop.groups.GroupRegistry._store_for`), so a process that reaches the store but lacks the token cannot
+    make a rank connect to an address of its choosing: a value that does not verify is
+    refused (logged) and the read fails, which fails that group's build (the step is
+    discarded; nothing acts on the junk). Counters (``add``) cannot carry a MAC and pass
+    through. ``compare_set`` is refused; ``delete_key`` and ``num_keys`` are not offered
+    (c10d does not route them to a Python store).
+    """
+
+    def __init__(self, inner: dist.Store, token) -> None:
+        super().__init__()  # the pybind trampoline needs it
+        self.inner = inner
+        self._token = token.encode() if isinstance(token, str) else bytes(token)
+        if not self._token:
+            raise PitstopError("SealedStore needs the job token")
+        _ALIVE.append(self)
+
+    @staticmethod
+    def _bytes(value) -> bytes:
+        return value.encode() if isinstance(value, str) else bytes(value)
+
+    def set(self, key: str, value) -> None:
+        from pitstop.protocol import seal_raw
+
+        self.inner.set(key, seal_raw(self._token, key, self._bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        from pitstop.protocol import Refused, open_raw
+
+        raw = self.inner.get(key)
+        try:
+            return open_raw(self._token, key, raw)
+        except Refused as exc:
+            log.warning("refused %s: %s", key, exc.reason)
+            raise
+
+    def add(self, key: str, value: int) -> int:
+        return self.inner.add(key, value)
+
+    def check(self, keys) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys, timeout: Optional[timedelta] = None) -> None:
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        raise PitstopError(f"compare_set({key!r}) on a sealed store: a sealed value cannot be compared; "
+                           "use pitstop.protocol.Channel.vote")
+
+    def clone(self) -> "SealedStore":
+        """Another connection, sealed with the same token (see :func:`pitstop.groups._own_connection`)."""
+        return SealedStore(self.inner.clone(), self._token)

@@ -156,3 +156,76 @@ def test_key_list_for_the_fuzzer_names_every_key_function():
         if f is keys.node_event:
             args["what"] = "exit"
         assert f(**args) in names, (f.__name__, f(**args))
+
+
+def test_sealed_raw_values_open_only_for_their_key_and_token():
+    from pitstop.protocol import Refused, open_raw, seal_raw
+
+    tok = b"k" * 32
+    v = seal_raw(tok, "g/0/1", b"\x00\x01addr")
+    assert open_raw(tok, "g/0/1", v) == b"\x00\x01addr"
+    for key, raw, why in [("g/0/2", v, "bad MAC"), ("g/0/1", seal_raw(b"x" * 32, "g/0/1", b"a"), "bad MAC"),
+                          ("g/0/1", b"127.0.0.1:4444", "unauthenticated"), ("g/0/1", v[:-1] + b"X", "bad MAC"),
+                          ("g/0/1", "text", "expected bytes")]:
+        with pytest.raises(Refused, match=why):
+            open_raw(tok, key, raw)
+
+
+def test_a_gloo_rendezvous_on_a_sealed_store_refuses_an_unsealed_address():
+    """Junk (an address of an attacker's choosing, unsealed) at the key where rank 0 of a
+    two-rank gloo group reads rank 1's address: the build fails with the refusal, and gloo
+    never connects anywhere. With only sealed values, a group of one builds as usual."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pitstop.store import SealedStore
+
+    inner = dist.HashStore()
+    sealed = SealedStore(inner, "t" * 64)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("one", sealed), 0, 1, timedelta(seconds=5))
+    assert pg.size() == 1 and inner.get("one/0/0").startswith(b"ps1r.")
+    inner.set("two/0/1", b"\x00junk: connect to 10.0.0.66:4444")
+    with pytest.raises(Exception, match="unauthenticated"):
+        dist.ProcessGroupGloo(dist.PrefixStore("two", sealed), 0, 2, timedelta(seconds=5))
+    assert sealed.clone().get("one/0/0") == sealed.get("one/0/0")   # a second connection, same seal
+
+
+def test_inside_a_job_the_world_group_and_the_registry_seal_what_they_write():
+    """With the job token set (as join() sets it), the world group's collective values and the
+    registry's gloo rendezvous land sealed in the store; junk over a world value is refused
+    with a GroupError naming the key, not read as data."""
+    import subprocess
+    import sys
+
+    code = r"""
+import torch, torch.distributed as dist
+from pitstop import store as st
+from pitstop.errors import GroupError
+from pitstop.groups import GroupRegistry
+from pitstop.layout import ParallelLayout
+from pitstop.pg import init_world, world_group
+
+srv = dist.TCPStore("127.0.0.1", 0, 1, True)
+st.JOB_TOKEN = b"t" * 64
+init_world(dist.TCPStore("127.0.0.1", srv.port, 1, False), 0, 1)
+out = [torch.zeros(2)]
+dist.all_gather(out, torch.tensor([3.0, 4.0]))
+reg = GroupRegistry(ParallelLayout(1), dist.distributed_c10d._get_default_store())
+reg.build()
+raw = [srv.get(k) for k in ("pitstop/world/0//pitstop/g0/" + reg._name("dp", (0,), 0) + "~raw//cpu//0/0",)]
+print("gather", out[0].tolist(), "sealed", all(r.startswith(b"ps1r.") for r in raw))
+w = world_group()
+seq = w.seq + 1
+w._store.set(f"rec/op{seq}", b"junk")  # raw, through the same prefixes
+w.detached = True
+try:
+    dist.all_reduce(torch.zeros(1))
+    print("junk read")
+except GroupError as e:
+    print("refused:", str(e)[:200])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "gather [3.0, 4.0] sealed True" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "refused:" in out.stdout and "unauthenticated" in out.stdout and f"rec/op" in out.stdout, out.stdout

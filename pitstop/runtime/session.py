@@ -587,7 +587,9 @@ def _handoff_pair(gen: int, role: int, rank: int, cfg) -> dist.ProcessGroup:
 
     from pitstop.patches import gloo_address
 
-    store = dist.PrefixStore(f"pitstop/handoff/g{gen}/r{role}", _client())
+    from pitstop.store import sealed
+
+    store = dist.PrefixStore(f"pitstop/handoff/g{gen}/r{role}", sealed(_client()))
     timeout = timedelta(seconds=cfg.collective_timeout_s)
     addr = os.environ.get(gloo_address.ENV_ADDR)
     if addr:  # this machine's address, as every other group of the process

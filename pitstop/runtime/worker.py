@@ -26,6 +26,7 @@ from pitstop.pg import init_world
 from pitstop.protocol import Channel, Refused
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig
+from pitstop import store as store_mod
 from pitstop.store import ENV_STORE, connect_from_env, parse_endpoint
 
 log = logging.getLogger("pitstop.worker")
@@ -322,6 +323,8 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
         mode = "restart" if os.environ.get(ENV_RESUME) else "worker"
     hb.grace_s = cfg.collective_timeout_s + 5.0  # a worker's training thread stops by itself at its boundary
     _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb, channel=ch)
+    # the world group's values and every communicator's rendezvous (gloo addresses) are sealed
+    store_mod.JOB_TOKEN = ch.token
     init_world(store, role, world, timeout, epoch=epoch, detached=_CURRENT.joiner)
     if _CURRENT.joiner:  # builds its role without talking to anyone until the session takes its state
         from pitstop.pg import FENCE
