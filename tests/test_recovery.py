@@ -121,11 +121,16 @@ PP3 = ["examples/train_gpt.py", "--tp", "1", "--pp", "3", "--num-layers", "6", "
 PP3_STEPS = 9
 
 
+def _reference(tmp_path_factory, name: str, steps: int, nproc: int, gpt):
+    """An uninterrupted run of another layout: every step logged, every rank's checksum."""
+    res = run_job(tmp_path_factory.mktemp(name), steps, nproc=nproc, gpt=gpt, launch_args=["--no-warmup"])
+    assert res.code == 0 and len(res.checksums) == nproc and len(res.losses) == steps, res.tails()
+    return res
+
+
 @pytest.fixture(scope="module")
 def reference_pp3(tmp_path_factory):
-    res = run_job(tmp_path_factory.mktemp("reference_pp3"), PP3_STEPS, nproc=6, gpt=PP3, launch_args=["--no-warmup"])
-    assert res.code == 0 and len(res.checksums) == 6, res.tails()
-    return res
+    return _reference(tmp_path_factory, "reference_pp3", PP3_STEPS, 6, PP3)
 
 
 def test_warmed_general_standbys_take_first_middle_and_last_stage_roles(reference_pp3, tmp_path):
@@ -475,9 +480,7 @@ DP1 = ["examples/train_gpt.py", "--tp", "2", "--pp", "2", "--checksum"]
 
 @pytest.fixture(scope="module")
 def reference_dp1(tmp_path_factory):
-    res = run_job(tmp_path_factory.mktemp("reference_dp1"), STEPS, nproc=4, gpt=DP1, launch_args=["--no-warmup"])
-    assert res.code == 0 and len(res.checksums) == 4, res.tails()
-    return res
+    return _reference(tmp_path_factory, "reference_dp1", STEPS, 4, DP1)
 
 
 def test_dp1_failure_falls_back_to_the_checkpoint_and_says_why(reference_dp1, tmp_path):
