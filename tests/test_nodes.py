@@ -118,3 +118,78 @@ def test_a_reported_failure_confirms_a_silent_machine_sooner_but_never_a_beating
     assert [p.name for p in out] == ["w0"] and out[0].exit == "machine 0 lost"
     assert [k for k, _ in lost] == [0] and lost[0][1] >= 0.5 and ra.alive(1)
     assert RemoteAgents(ch, "/x", 1, heartbeat_timeout_s=0.2, confirm_s=1.0).confirm_s == 0.2  # never above the timeout
+
+
+def test_a_probe_after_a_reported_failure_takes_only_the_machine_that_does_not_answer(dict_store):
+    """Heartbeat timeout 5 s, confirm 2 s, probe 0.2 s. Both machines beat just before the
+    report; machine 0's agent answers the probe, machine 1's does not (and a replayed old
+    pong answers nothing): machine 1 is lost within the probe time, machine 0 stays."""
+    import time
+
+    from pitstop.launch.remote import RemoteAgents
+    from pitstop.protocol import Channel
+    from pitstop.runtime import keys
+
+    st, lost = dict_store, []
+    ch = Channel(st, "t" * 64)
+    ra = RemoteAgents(ch, "/nonexistent", 2, heartbeat_timeout_s=5.0, on_node_lost=lambda k, s: lost.append(k),
+                      poll_s=0.0, confirm_s=2.0, probe_s=0.2)
+    for k in (0, 1):
+        ch.put(keys.node(k, "hello"), {"node": k, "host": "h", "addr": f"127.0.0.{k + 2}", "nproc": 1, "pid": 5})
+        ch.put(keys.node(k, "hb"), {"n": 1})
+        ra.start(f"w{k}", {}, k)
+    ch.put(keys.node(1, "pong"), {"n": 0})          # an old answer, as if replayed
+    assert ra.poll() == []
+    ra.suspect()
+    assert ch.read(keys.node(0, "probe")) == {"n": 1} and ch.read(keys.node(1, "probe")) == {"n": 1}
+    t0 = time.monotonic()
+    ch.put(keys.node(0, "pong"), {"n": 1})          # machine 0's agent answers on its next loop
+    out = []
+    while not out and time.monotonic() - t0 < 1.5:
+        out = ra.poll()
+        time.sleep(0.01)
+    waited = time.monotonic() - t0
+    assert [p.name for p in out] == ["w1"] and lost == [1] and ra.alive(0)
+    assert 0.2 <= waited < 1.0                      # the probe time, not the 2 s confirmation or 5 s timeout
+    assert ra.nodes[1].cause.startswith("its agent left probe 1 unanswered for 0.2")
+    assert ra.nodes[0].probe_n == 0                 # answered
+    assert RemoteAgents(ch, "/x", 1, heartbeat_timeout_s=5.0, confirm_s=1.0, probe_s=3.0).probe_s == 1.0
+
+
+def test_a_machines_agent_answers_a_probe_once_and_not_a_replayed_one(tmp_path):
+    """The real agent loop on a real TCPStore: a sealed probe is answered with its number on
+    the agent's next loop; the same probe written again is not answered again; junk on the
+    probe key is refused and answers nothing; ``ctl/done`` ends the agent."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pitstop.launch.node_agent import NodeAgent
+    from pitstop.protocol import Channel
+    from pitstop.runtime import keys
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    token = "k" * 64
+    agent = NodeAgent(3, "127.0.0.1", 1, ["true"], tmp_path, "127.0.0.1", master.port, token)
+    rc = []
+    th = threading.Thread(target=lambda: rc.append(agent.run()), daemon=True)
+    th.start()
+    ch = Channel(master, token)
+    ch.wait(keys.node(3, "hello"), timeout_s=10)
+    master.set(keys.node(3, "probe"), b"junk")
+    time.sleep(0.2)
+    assert ch.read(keys.node(3, "pong")) is None        # junk is no probe
+    ch.put(keys.node(3, "probe"), {"n": 4}, own=False)
+    t0 = time.monotonic()
+    while ch.read(keys.node(3, "pong")) is None and time.monotonic() - t0 < 5:
+        time.sleep(0.005)
+    assert ch.read(keys.node(3, "pong")) == {"n": 4} and time.monotonic() - t0 < 0.5
+    ch.put(keys.node(3, "pong"), {"n": 0}, own=False)   # clear the answer, then replay probe 4
+    ch.put(keys.node(3, "probe"), {"n": 4}, own=False)
+    time.sleep(0.3)
+    assert ch.read(keys.node(3, "pong")) == {"n": 0} and agent.answered == 4
+    ch.put(keys.DONE, {"set": True})
+    th.join(10)
+    assert rc == [0]

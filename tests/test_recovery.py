@@ -7,6 +7,7 @@ every rank's final parameter checksum must be equal bit for bit.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -312,9 +313,12 @@ def test_a_machine_failure_moves_its_roles_to_a_standby_machine(reference, tmp_p
     assert_same_run(res, reference)
     lost = res.of("machine-lost")
     assert len(lost) == 1 and lost[0]["node"] == 2 and lost[0]["roles"] == [4, 5], res.tails()
-    # the stayers' broken collectives poisoned the step: confirmed after a few silent agent
-    # beats (max(4 x 0.5 s, 1 s) = 2 s), not after the 10 s heartbeat timeout
+    # the stayers' broken collectives poisoned the step: the controller probed every machine,
+    # and machine 2 was lost when its agent left the probe unanswered (0.5 s) or stayed silent
+    # for a few beats (max(4 x 0.5 s, 1 s) = 2 s), not after the 10 s heartbeat timeout
     assert lost[0]["after_reported_failure"] is True and lost[0]["silent_s"] < 2 + 3, lost
+    assert re.match(r"its agent (left probe \d+ unanswered for|was silent for .* after a reported failure)",
+                    lost[0]["cause"]), lost
     rep = res.of("replaced")
     assert len(rep) == 1 and rep[0]["roles"] == [4, 5] and rep[0]["generation"] == 1, res.tails()
     new = rep[0]["new"]  # both on the standby machine, local rank order kept (lower pid started first)

@@ -127,6 +127,7 @@ def bench_machines(steps: int = 10, run_dir: str = "runs/bench-machines") -> Dic
                 "breakdown": {"detect_s": None if not (lost and t_kill) else round(lost["time"] - t_kill["t"], 4),
                               "heartbeat_silent_s": lost.get("silent_s"),
                               "confirmed_after_reported_failure": lost.get("after_reported_failure"),
+                              "cause": lost.get("cause"),
                               "heartbeat_timeout_s": 10.0, "plan_s": rep0.get("plan_s"),
                               "groups_s": rep0.get("groups_s"), "state_s": rep0.get("state_s"),
                               "first_step_s": rep0.get("first_step_s"), "rebuilt": rep0.get("rebuilt")}},

@@ -124,7 +124,7 @@ class Controller:
         self.lost_at = 0.0
         self.lost_detected = 0.0
         self.agent: Any = (RemoteAgents(self.ch, self.run_dir, spec.nodes.max, self.cfg.heartbeat_timeout_s,
-                                        self._node_lost, confirm_s=self.confirm_s())
+                                        self._node_lost, confirm_s=self.confirm_s(), probe_s=self.probe_s())
                            if spec.multi_node else Agent(self.run_dir))
         self.poison_seen: Optional[tuple] = None      # (generation, step) of the last poisoned verdict seen
         self.members: Dict[int, Member] = {}          # by slot
@@ -215,9 +215,14 @@ class Controller:
         four agent heartbeats, at least 1 s (never more than the heartbeat timeout)."""
         return min(self.cfg.heartbeat_timeout_s, max(4 * self.cfg.heartbeat_interval_s, 1.0))
 
+    def probe_s(self) -> float:
+        """How long a machine's agent has to answer a probe once a failure has been reported:
+        one heartbeat interval, at least 0.5 s (a live agent answers on its next 20 ms loop)."""
+        return min(self.confirm_s(), max(self.cfg.heartbeat_interval_s, 0.5))
+
     def _node_lost(self, node: int, silent_s: float) -> None:
         self.events.write("machine-lost", node=node, silent_s=round(silent_s, 2),
-                          after_reported_failure=self.agent.suspecting(),
+                          after_reported_failure=self.agent.suspecting(), cause=self.agent.nodes[node].cause,
                           roles=sorted(r for r, s in self.role_slots.items() if self.members[s].node == node))
 
     def _watch_poison(self) -> None:

@@ -93,7 +93,7 @@ def _machines(run_dir: Path, steps: int, ref) -> bool:
         print(res.tails())
         return False
     for ev in res.of("machine-lost"):
-        print(f"  machine:   machine {ev['node']} lost (agent silent {ev['silent_s']}s), roles {ev['roles']}")
+        print(f"  machine:   machine {ev['node']} lost ({ev.get('cause') or 'agent silent'}), roles {ev['roles']}")
     for ev in res.of("replaced"):
         print(f"  unplanned: roles {ev['roles']} {ev['old']} -> {ev['new']} at step {ev['step']}: "
               f"{ev['downtime_s']}s from detection to the first finished step, {ev['rebuilt']} groups rebuilt")

@@ -8,6 +8,8 @@
                                          ctl/node/k/exit/w5    <------ {pid, exit}
     machine k lost when ------------->   ctl/node/k/hb         <------ {n}, every heartbeat interval
     its heartbeat stops
+    a failure was reported: probe n ->   ctl/node/k/probe      ------> answered on the next loop:
+    no pong within probe_s: lost         ctl/node/k/pong       <------ {n}
 
 Every message is sealed (:mod:`pitstop.protocol`). The agent runs the training script
 from its *own* command line, so the store can only ask it to start a role or a standby
@@ -82,6 +84,8 @@ class NodeAgent:
         self.names: Dict[str, Proc] = {}
         self.next_cmd = 1
         self.beats = 0
+        self.answered = 0
+        """The newest probe answered (an older one, replayed, is not answered again)."""
 
     def _child_env(self, env: Dict[str, str]) -> Dict[str, str]:
         bad = sorted(k for k in env if not _ALLOWED_ENV.match(k) or not isinstance(env[k], str))
@@ -134,6 +138,10 @@ class NodeAgent:
                     self._command(k, cmd)
                 for p in self.agent.poll():
                     self.ch.put(keys.node_event(self.node, p.name, "exit"), {"pid": p.pid, "exit": p.exit})
+                probe = self.ch.read(keys.node(self.node, "probe"), protocol.HEARTBEAT)
+                if probe is not None and probe["n"] > self.answered:
+                    self.answered = probe["n"]
+                    self.ch.put(keys.node(self.node, "pong"), {"n": self.answered}, own=False)
                 if time.monotonic() - last_beat >= self.interval:
                     self.beats += 1
                     self.ch.put(keys.node(self.node, "hb"), {"n": self.beats}, own=False)

@@ -8,15 +8,19 @@ heartbeat timeout is lost, and every process on it is reported as exited at once
 the controller sees one correlated failure.
 
 A silent machine is only one sign of loss. When a stayer's collective fails (a peer's
-connection was reset: its step is poisoned), the controller calls :meth:`suspect`, and
-for one heartbeat timeout after that a silence of ``confirm_s`` (a few agent beats)
-is enough::
+connection was reset: its step is poisoned), the controller calls :meth:`suspect`. That
+*probes* every live machine: a sealed ``node/k/probe {n}``, which a live agent answers
+with ``node/k/pong {n}`` on its next loop (tens of milliseconds). A machine that leaves
+the probe unanswered for ``probe_s`` is lost; so is one whose agent stays silent for
+``confirm_s`` (a few beats) during the suspicion::
 
     agent beats  |  |  |  |  X (machine gone)
-    stayer                      poisoned vote -> suspect()
-    controller                  ... confirm_s of silence -> lost   (not heartbeat_timeout)
+    stayer                      poisoned vote -> suspect() -> probe n to every machine
+    live agents                 pong n (next loop)
+    controller                  ... probe_s with no pong -> lost  (not heartbeat_timeout)
 
-A live agent keeps beating, so a suspicion never takes a healthy machine.
+A live agent answers, so a suspicion does not take a healthy machine; an old pong
+(replayed) carries an older ``n`` and answers nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ class NodeState:
     beats: int = 0
     last_beat: float = field(default_factory=time.monotonic)
     lost: bool = False
+    probe_n: int = 0
+    """The probe this machine has yet to answer (0: none outstanding)."""
+    probe_sent: float = 0.0
+    cause: str = ""
+    """Why it was called lost: silence, an unanswered probe, or no hello."""
 
 
 class RemoteAgents:
@@ -64,12 +73,16 @@ class RemoteAgents:
 
     def __init__(self, ch: Channel, run_dir: Path, nodes: int, heartbeat_timeout_s: float,
                  on_node_lost: Optional[Callable[[int, float], None]] = None, poll_s: float = 0.05,
-                 join_timeout_s: float = 600.0, confirm_s: Optional[float] = None) -> None:
+                 join_timeout_s: float = 600.0, confirm_s: Optional[float] = None,
+                 probe_s: Optional[float] = None) -> None:
         self.ch = ch
         self.run_dir = Path(run_dir)
         self.timeout = heartbeat_timeout_s
         self.confirm_s = heartbeat_timeout_s if confirm_s is None else min(confirm_s, heartbeat_timeout_s)
         """The silence that confirms a loss while a failure is suspected (:meth:`suspect`)."""
+        self.probe_s = self.confirm_s if probe_s is None else min(probe_s, self.confirm_s)
+        """How long a probed machine has to answer, while a failure is suspected."""
+        self.probes = 0
         self.suspected_at: Optional[float] = None
         self.nodes: Dict[int, NodeState] = {k: NodeState() for k in range(nodes)}
         self.cmds: Dict[int, int] = {k: 0 for k in range(nodes)}
@@ -105,11 +118,19 @@ class RemoteAgents:
 
     # ------------------------------------------------------------------ watching
     def suspect(self) -> None:
-        """A failure was reported (a poisoned step): for one heartbeat timeout from now,
-        ``confirm_s`` of silence is enough to call a machine lost."""
-        if self.suspected_at is None or time.monotonic() - self.suspected_at > self.timeout:
-            log.info("a failure was reported: a machine silent for %.2fs is lost", self.confirm_s)
-        self.suspected_at = time.monotonic()
+        """A failure was reported (a poisoned step): probe every live machine (one that
+        leaves it unanswered for ``probe_s`` is lost), and for one heartbeat timeout from
+        now, ``confirm_s`` of silence is enough to call a machine lost."""
+        now = time.monotonic()
+        if self.suspected_at is None or now - self.suspected_at > self.timeout:
+            log.info("a failure was reported: probing the machines (%.2fs to answer; %.2fs of silence is a loss)",
+                     self.probe_s, self.confirm_s)
+        self.suspected_at = now
+        self.probes += 1
+        for k, st in self.nodes.items():
+            if st.hello is not None and not st.lost and not st.probe_n:
+                st.probe_n, st.probe_sent = self.probes, now
+                self.ch.put(keys.node(k, "probe"), {"n": self.probes}, own=False)
 
     def suspecting(self, now: Optional[float] = None) -> bool:
         now = time.monotonic() if now is None else now
@@ -139,6 +160,7 @@ class RemoteAgents:
                     st.last_beat = now
                 elif now - self._started > self.join_timeout:
                     st.lost = True
+                    st.cause = f"its agent said no hello within {self.join_timeout:.0f}s"
                     log.warning("machine %d never joined within %.0fs", k, self.join_timeout)
                     if self.on_node_lost is not None:
                         self.on_node_lost(k, now - self._started)
@@ -149,15 +171,23 @@ class RemoteAgents:
                 continue
             hb = self.ch.read(keys.node(k, "hb"), protocol.HEARTBEAT)
             n = st.beats if hb is None else hb["n"]
+            if st.probe_n:
+                pong = self.ch.read(keys.node(k, "pong"), protocol.HEARTBEAT)
+                if pong is not None and pong["n"] >= st.probe_n:
+                    st.probe_n, st.last_beat = 0, now
             if n < st.beats:
                 self.ch.refuse(keys.node(k, "hb"), f"replayed: beat {n} after beat {st.beats}")
             elif n > st.beats:
                 st.beats, st.last_beat = n, now
-            elif now - st.last_beat > timeout:
+            elif now - st.last_beat > timeout or (st.probe_n and now - st.probe_sent > self.probe_s):
                 st.lost = True
                 silent = now - st.last_beat
-                log.warning("machine %d lost: its agent was silent for %.1fs%s", k, silent,
-                            " after a reported failure" if timeout < self.timeout else "")
+                if now - st.last_beat > timeout:
+                    st.cause = f"its agent was silent for {silent:.1f}s" + (
+                        " after a reported failure" if timeout < self.timeout else "")
+                else:
+                    st.cause = f"its agent left probe {st.probe_n} unanswered for {now - st.probe_sent:.2f}s"
+                log.warning("machine %d lost: %s", k, st.cause)
                 if self.on_node_lost is not None:
                     self.on_node_lost(k, silent)
                 for p in self.procs.values():

@@ -82,7 +82,7 @@ def warm(slot: int) -> str:                # sealed: what a standby's sandboxed 
     return f"ctl/warm/{slot}"
 
 
-def node(k: int, what: str) -> str:     # hello | hb: machine k's agent (sealed)
+def node(k: int, what: str) -> str:        # hello | hb | probe | pong: machine k's agent (sealed)
     return f"ctl/node/{k}/{what}"
 
 
@@ -108,6 +108,6 @@ def all_patterns(generations=(0, 1, 2), steps=range(0, 12), slots=range(0, 16)):
             out += [arrive(g, s), verdict(g, s)]
     out += [record(c) for c in ("only", "first", "middle", "last")]
     for k in range(5):
-        out += [node(k, "hello"), node(k, "hb")] + [node_cmd(k, n) for n in range(1, 6)]
+        out += [node(k, "hello"), node(k, "hb"), node(k, "probe"), node(k, "pong")] + [node_cmd(k, n) for n in range(1, 6)]
         out += [node_event(k, f"w{r}", w) for r in range(8) for w in ("started", "exit")]
     return out
