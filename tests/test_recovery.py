@@ -162,8 +162,14 @@ def test_warmed_general_standbys_take_first_middle_and_last_stage_roles(referenc
     assert [e["pid"] for e in res.of("standby-lost")] == [victim["pid"]], res.tails()
     assert {e["cls"] for e in res.of("recorded")} == {"first", "middle", "last"}
 
-    # the sandbox takes the real step's control path: the grad norm (and, on the last stage,
-    # the loss) of each sandboxed iteration are those of the real step 1, bit for bit
+    # the sandbox computed the real step itself: every operation's own inputs (before the
+    # replayed result overwrote anything) equal the recorder's, bit for bit
+    for e in (e for e in res.of("warmed") if e["ok"]):
+        for c in e["classes"]:
+            assert c["local_checked"] > 0 and c["local_equal"] == c["local_checked"], c
+            assert c["local_mismatch"] == "", c
+    # and it takes the real step's control path: the grad norm (and, on the last stage, the
+    # loss) of each sandboxed iteration are those of the real step 1, bit for bit
     step1 = json.loads((reference_pp3.run_dir / "loss.jsonl").read_text().splitlines()[0])
     warmed = [e for e in res.of("warmed") if e["ok"]]
     assert len(warmed) >= 3, res.tails()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from pitstop import pg as pgmod
 from pitstop.emulation import virtual
 from pitstop.emulation.record import (
-    Record, Recorder, ReplayOracle, recorder_class, representative, stage_class, stage_classes,
+    Record, Recorder, ReplayOracle, local_inputs, same_bits, recorder_class, representative, stage_class, stage_classes,
 )
 from pitstop.errors import RecordMismatchError
 from pitstop.layout import ParallelLayout
@@ -60,7 +60,7 @@ def _recorded(tmp_path) -> Record:
     done = rec._tap("tp", "allreduce", ([a],))
     a.mul_(3)  # what the real all-reduce wrote
     done()
-    assert rec._tap("pp", "send", ([torch.ones(2, 3)], 1, 0)) is None  # a send's data is not kept
+    assert rec._tap("pp", "send", ([torch.ones(2, 3)], 1, 0)) is None  # a send has no result (its payload is kept as local input)
     b = torch.zeros(4, dtype=torch.int64)
     done = rec._tap("tp", "_allgather_base", (b, torch.zeros(2, dtype=torch.int64)))
     b.copy_(torch.tensor([5, 6, 7, 8]))
@@ -91,6 +91,30 @@ def test_replay_serves_recorded_values_in_order(tmp_path):
     oracle.serve(G("tp"), "_allgather_base", (y, torch.zeros(2, dtype=torch.int64)))
     assert y.tolist() == [5, 6, 7, 8]
     assert oracle.served == 3 and oracle.unused() == {}
+
+
+def test_replay_compares_what_the_sandbox_computed_itself_with_the_recorders_inputs(tmp_path):
+    """A replayed result matches whatever was computed, so it is no evidence. The oracle
+    compares each operation's *local* inputs (the all-reduce's tensor before reduction, the
+    send's payload, the all-gather's input) with the recorder's, bit for bit, and names the
+    first that differs."""
+    same = ReplayOracle(_recorded(tmp_path))
+    same.serve(G("tp"), "allreduce", ([torch.tensor([1.0, 2.0])],))
+    same.serve(G("pp"), "send", ([torch.ones(2, 3)], 1, 0))
+    same.serve(G("tp"), "_allgather_base", (torch.zeros(4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)))
+    assert (same.local_checked, same.local_equal, same.local_mismatch) == (3, 3, "")
+
+    other = ReplayOracle(_recorded(tmp_path))
+    x = torch.tensor([1.0, 2.0000002])          # one ulp-scale difference before the reduction
+    other.serve(G("tp"), "allreduce", ([x],))
+    assert x.tolist() == [3.0, 6.0]             # the result is the recorded one all the same
+    other.serve(G("pp"), "send", ([torch.ones(2, 3)], 1, 0))
+    other.serve(G("tp"), "_allgather_base", (torch.zeros(4, dtype=torch.int64), torch.ones(2, dtype=torch.int64)))
+    assert (other.local_checked, other.local_equal) == (3, 1)
+    assert other.local_mismatch.startswith("tp operation #1 (allreduce [[2]] ['float32']), input 0: 1 of 2 values differ")
+    assert not same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))   # bits, not values
+    assert same_bits(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    assert local_inputs("recv", ([torch.zeros(2)], 0, 0)) is None and local_inputs("broadcast", ([torch.zeros(2)],)) is None
 
 
 def test_replay_refuses_a_record_of_another_model(tmp_path):

@@ -16,6 +16,20 @@ checks on the path a real step takes. Each entry keeps the op name, shapes and
 dtypes, so a record of another model is refused (:class:`RecordMismatchError`)
 instead of silently producing a different step.
 
+A replayed result proves nothing about the sandbox: it is the recorder's value
+whatever the sandbox computed. So each entry also keeps the recorder's *local
+inputs*, captured as the operation was issued (an all-reduce's tensor before the
+reduction, an all-gather's or reduce-scatter's input, a send's payload), and the
+replay compares the sandbox's own local inputs with them, bit for bit. That is
+evidence the sandboxed iteration computed what the real one did::
+
+    recorder  allreduce  local [0.25, 1.5]  -> result [0.5, 3.0]
+    sandbox   allreduce  local [0.25, 1.5]  == recorded local?  (counted, first difference named)
+                         result <- [0.5, 3.0] from the record
+
+The world group's operations are shown to the recorder only once complete, so theirs
+are not compared; neither is a broadcast's (a non-root's buffer holds anything).
+
 Role classes: a pipeline stage kind (``first``, ``middle``, ``last``; ``only`` when
 pp=1). TP, CP, DP and EP ranks of one stage kind issue the same operations on the
 same shapes, so one recorder per kind is enough: the rank of that stage with every
@@ -40,8 +54,40 @@ from pitstop.layout import ParallelLayout
 
 log = logging.getLogger("pitstop.record")
 
-FORMAT = 1
+FORMAT = 2
 _NO_DATA = ("send", "barrier", "monitored_barrier")
+
+
+def _flat(x) -> List[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _flat(y)]
+    return []
+
+
+def local_inputs(what: str, args: tuple) -> Optional[List[torch.Tensor]]:
+    """The tensors that hold this rank's own contribution to an operation as it is issued,
+    or None where there is none to compare (a recv, a barrier, a broadcast)."""
+    if not args:
+        return None
+    if what in ("allreduce", "allreduce_coalesced", "reduce", "send"):
+        return _flat(args[0])
+    if what in ("allgather", "_allgather_base", "allgather_coalesced", "allgather_into_tensor_coalesced",
+                "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+                "all_gather_single", "reduce_scatter_single", "all_gather_single_coalesced",
+                "reduce_scatter_single_coalesced", "alltoall", "alltoall_base") and len(args) > 1:
+        return _flat(args[1])
+    return None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and bytes (NaN equals the same NaN; 0.0 differs from -0.0)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
 # --------------------------------------------------------------------------- role classes
@@ -81,6 +127,8 @@ class Entry:
     shapes: List[Tuple[int, ...]]
     dtypes: List[str]
     data: List[torch.Tensor] = field(default_factory=list)
+    local: Optional[List[torch.Tensor]] = None
+    """The recorder's own inputs as the operation was issued (see the module docstring)."""
 
     def describe(self) -> str:
         return f"{self.op} {[list(s) for s in self.shapes]} {sorted(set(self.dtypes))}"
@@ -112,7 +160,7 @@ class Record:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save({
             "format": FORMAT, "cls": self.cls, "role": self.role, "layout": self.layout, "world_size": self.world_size,
-            "entries": {k: [(e.op, e.shapes, e.dtypes, e.data) for e in es] for k, es in self.entries.items()},
+            "entries": {k: [(e.op, e.shapes, e.dtypes, e.data, e.local) for e in es] for k, es in self.entries.items()},
         }, tmp)
         os.replace(tmp, path)
         return path.stat().st_size
@@ -123,7 +171,9 @@ class Record:
         if raw.get("format") != FORMAT:
             raise RecordMismatchError(f"record {path}: format {raw.get('format')!r}, this pitstop reads format {FORMAT}")
         rec = cls(raw["cls"], raw["role"], raw["layout"], raw["world_size"])
-        rec.entries = {k: [Entry(op, [tuple(s) for s in shapes], list(dtypes), list(data)) for op, shapes, dtypes, data in es]
+        rec.entries = {k: [Entry(op, [tuple(s) for s in shapes], list(dtypes), list(data),
+                                 None if local is None else list(local))
+                           for op, shapes, dtypes, data, local in es]
                        for k, es in raw["entries"].items()}
         return rec
 
@@ -156,6 +206,9 @@ class Recorder:
         shapes, dtypes, ts = _signature(what, args)
         entry = Entry(what, shapes, dtypes)
         self.record.entries.setdefault(kind, []).append(entry)
+        mine = local_inputs(what, args) if kind != "world" else None  # the world's tap comes after the op
+        if mine is not None:
+            entry.local = [t.detach().to("cpu", copy=True) for t in mine]
         if what in _NO_DATA:
             return None
 
@@ -172,6 +225,11 @@ class ReplayOracle:
     def __init__(self, record: Record) -> None:
         self.record = record
         self.cursor: Dict[str, int] = {}
+        self.local_checked = 0
+        """Operations whose local inputs were compared with the recorder's."""
+        self.local_equal = 0
+        self.local_mismatch = ""
+        """The first operation whose local inputs differ, described."""
 
     @property
     def served(self) -> int:
@@ -196,6 +254,8 @@ class ReplayOracle:
                 f"{mine.describe()}; the model or layout changed since the record was made"
             )
         self.cursor[kind] = i + 1
+        if e.local is not None:
+            self._compare_local(kind, i, e, local_inputs(what, args))
         if what in _NO_DATA:
             return
         if len(e.data) != len(ts):
@@ -203,6 +263,24 @@ class ReplayOracle:
         with torch.no_grad():  # a recv buffer may be a leaf that requires grad (pipeline activations)
             for out, val in zip(ts, e.data):
                 out.copy_(val)
+
+    def _compare_local(self, kind: str, i: int, e: Entry, mine: Optional[List[torch.Tensor]]) -> None:
+        """Count whether this rank's own inputs equal the recorder's, bit for bit (before the
+        recorded result overwrites anything)."""
+        self.local_checked += 1
+        mine = mine or []
+        bad = [j for j, (a, b) in enumerate(zip(mine, e.local)) if not same_bits(a, b)]
+        if len(mine) == len(e.local) and not bad:
+            self.local_equal += 1
+        elif not self.local_mismatch:
+            j = bad[0] if bad else min(len(mine), len(e.local))
+            detail = ""
+            if bad:
+                a, b = mine[j].detach().to("cpu").float().reshape(-1), e.local[j].float().reshape(-1)
+                diff = int((a != b).sum())
+                detail = f": {diff} of {a.numel()} values differ (max |diff| {float((a - b).abs().max()):.3g})"
+            self.local_mismatch = (f"{kind} operation #{i + 1} ({e.describe()}), input {j}{detail}"
+                                   if bad else f"{kind} operation #{i + 1}: {len(mine)} inputs, recorded {len(e.local)}")
 
     def unused(self) -> Dict[str, int]:
         """Recorded operations the replay did not reach, per kind (0 everywhere after a full step)."""

@@ -830,7 +830,8 @@ class Controller:
                 self.warm_seen.add(slot)
                 self.events.write("warmed", slot=slot, pid=rep["pid"], ok=rep["ok"], stopped=rep["stopped"],
                                   rss_bytes=rep["rss_bytes"],
-                                  classes=[{k: r.get(k) for k in ("cls", "role", "ok", "seconds", "ops", "error", "out")}
+                                  classes=[{k: r.get(k) for k in ("cls", "role", "ok", "seconds", "ops", "error", "out",
+                                                                 "local_checked", "local_equal", "local_mismatch")}
                                            for r in rep["results"] if isinstance(r, dict)])
         # every standby of the first pool, less those a failure or drain took meanwhile (a standby
         # machine's are not refilled), has reported its warmup

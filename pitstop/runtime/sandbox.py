@@ -65,6 +65,12 @@ class WarmupResult:
     error: str = ""
     ops: int = 0
     unused: Dict[str, int] = field(default_factory=dict)
+    local_checked: int = 0
+    """Operations whose own inputs (computed by the sandbox) were compared with the recorder's."""
+    local_equal: int = 0
+    """... and were equal, bit for bit: the evidence that the sandboxed iteration computed
+    what the real one did (a replayed result would match whatever was computed)."""
+    local_mismatch: str = ""
 
 
 def run_sandboxed(record: Record, fn: WarmupFn) -> WarmupResult:
@@ -104,6 +110,8 @@ def run_sandboxed(record: Record, fn: WarmupFn) -> WarmupResult:
     res.seconds = time.perf_counter() - t0
     res.ops = oracle.served
     res.unused = oracle.unused()
+    res.local_checked, res.local_equal, res.local_mismatch = (oracle.local_checked, oracle.local_equal,
+                                                              oracle.local_mismatch)
     return res
 
 
@@ -181,8 +189,12 @@ def warm_up(ch, slot: int, fn: WarmupFn, *, interrupted: Callable[[], bool], tim
         res = run_sandboxed(record, fn)
         results.append(res)
         if res.ok:
-            log.info("[standby %d] warmed up as %s-stage rank %d in %.2fs (%d operations replayed; loss %s, grad norm %s)",
-                     slot, cls, res.role, res.seconds, res.ops, res.out.get("loss"), res.out.get("grad_norm"))
+            log.info("[standby %d] warmed up as %s-stage rank %d in %.2fs (%d operations replayed, own inputs of "
+                     "%d of %d equal to the recorder's; loss %s, grad norm %s)", slot, cls, res.role, res.seconds,
+                     res.ops, res.local_equal, res.local_checked, res.out.get("loss"), res.out.get("grad_norm"))
+            if res.local_mismatch:
+                log.warning("[standby %d] the sandboxed %s-stage iteration computed something else than the "
+                            "recorder: %s", slot, cls, res.local_mismatch)
         else:
             log.warning("[standby %d] warmup as %s-stage rank %d refused, staying a cold standby: %s",
                         slot, cls, res.role, res.error)
