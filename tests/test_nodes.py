@@ -121,7 +121,7 @@ def test_a_reported_failure_confirms_a_silent_machine_sooner_but_never_a_beating
 
 
 def test_a_probe_after_a_reported_failure_takes_only_the_machine_that_does_not_answer(dict_store):
-    """Heartbeat timeout 5 s, confirm 2 s, probe 0.2 s. Both machines beat just before the
+    """Heartbeat timeout 5 s, confirm 4 s, probe 0.2 s. Both machines beat just before the
     report; machine 0's agent answers the probe, machine 1's does not (and a replayed old
     pong answers nothing): machine 1 is lost within the probe time, machine 0 stays."""
     import time
@@ -133,7 +133,7 @@ def test_a_probe_after_a_reported_failure_takes_only_the_machine_that_does_not_a
     st, lost = dict_store, []
     ch = Channel(st, "t" * 64)
     ra = RemoteAgents(ch, "/nonexistent", 2, heartbeat_timeout_s=5.0, on_node_lost=lambda k, s: lost.append(k),
-                      poll_s=0.0, confirm_s=2.0, probe_s=0.2)
+                      poll_s=0.0, confirm_s=4.0, probe_s=0.2)
     for k in (0, 1):
         ch.put(keys.node(k, "hello"), {"node": k, "host": "h", "addr": f"127.0.0.{k + 2}", "nproc": 1, "pid": 5})
         ch.put(keys.node(k, "hb"), {"n": 1})
@@ -145,13 +145,13 @@ def test_a_probe_after_a_reported_failure_takes_only_the_machine_that_does_not_a
     t0 = time.monotonic()
     ch.put(keys.node(0, "pong"), {"n": 1})          # machine 0's agent answers on its next loop
     out = []
-    while not out and time.monotonic() - t0 < 1.5:
+    while not out and time.monotonic() - t0 < 3.5:
         out = ra.poll()
         time.sleep(0.01)
     waited = time.monotonic() - t0
     assert [p.name for p in out] == ["w1"] and lost == [1] and ra.alive(0)
-    assert 0.2 <= waited < 1.0                      # the probe time, not the 2 s confirmation or 5 s timeout
-    assert ra.nodes[1].cause.startswith("its agent left probe 1 unanswered for 0.2")
+    assert waited >= 0.2                            # never before the probe time ...
+    assert ra.nodes[1].cause.startswith("its agent left probe 1 unanswered for ")  # ... and by the probe, not silence
     assert ra.nodes[0].probe_n == 0                 # answered
     assert RemoteAgents(ch, "/x", 1, heartbeat_timeout_s=5.0, confirm_s=1.0, probe_s=3.0).probe_s == 1.0
 
@@ -172,24 +172,37 @@ def test_a_machines_agent_answers_a_probe_once_and_not_a_replayed_one(tmp_path):
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     token = "k" * 64
-    agent = NodeAgent(3, "127.0.0.1", 1, ["true"], tmp_path, "127.0.0.1", master.port, token)
+    agent = NodeAgent(3, "127.0.0.1", 1, ["true"], tmp_path, "127.0.0.1", master.port, token,
+                      heartbeat_interval_s=0.01)
     rc = []
     th = threading.Thread(target=lambda: rc.append(agent.run()), daemon=True)
     th.start()
     ch = Channel(master, token)
     ch.wait(keys.node(3, "hello"), timeout_s=10)
-    master.set(keys.node(3, "probe"), b"junk")
-    time.sleep(0.2)
-    assert ch.read(keys.node(3, "pong")) is None        # junk is no probe
-    ch.put(keys.node(3, "probe"), {"n": 4}, own=False)
-    t0 = time.monotonic()
-    while ch.read(keys.node(3, "pong")) is None and time.monotonic() - t0 < 5:
-        time.sleep(0.005)
-    assert ch.read(keys.node(3, "pong")) == {"n": 4} and time.monotonic() - t0 < 0.5
-    ch.put(keys.node(3, "pong"), {"n": 0}, own=False)   # clear the answer, then replay probe 4
-    ch.put(keys.node(3, "probe"), {"n": 4}, own=False)
-    time.sleep(0.3)
-    assert ch.read(keys.node(3, "pong")) == {"n": 0} and agent.answered == 4
-    ch.put(keys.DONE, {"set": True})
-    th.join(10)
+
+    def until(cond, what):
+        t0 = time.monotonic()
+        while not cond():
+            assert time.monotonic() - t0 < 10, what
+            time.sleep(0.005)
+
+    def two_more_loops():  # the agent beats once a loop (interval 0.01 s), after it read the probe key
+        n0 = ch.read(keys.node(3, "hb"))["n"]
+        until(lambda: ch.read(keys.node(3, "hb"))["n"] >= n0 + 2, "the agent stopped beating")
+
+    try:
+        until(lambda: ch.read(keys.node(3, "hb")) is not None, "no beat")
+        master.set(keys.node(3, "probe"), b"junk")
+        two_more_loops()
+        assert ch.read(keys.node(3, "pong")) is None        # junk is no probe
+        ch.put(keys.node(3, "probe"), {"n": 4}, own=False)
+        until(lambda: ch.read(keys.node(3, "pong")) is not None, "probe 4 unanswered")
+        assert ch.read(keys.node(3, "pong")) == {"n": 4}
+        ch.put(keys.node(3, "pong"), {"n": 0}, own=False)   # clear the answer, then replay probe 4
+        ch.put(keys.node(3, "probe"), {"n": 4}, own=False)
+        two_more_loops()
+        assert ch.read(keys.node(3, "pong")) == {"n": 0} and agent.answered == 4
+    finally:
+        ch.put(keys.DONE, {"set": True})
+        th.join(10)
     assert rc == [0]
