@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -105,6 +106,33 @@ def _own_connection(store: dist.Store) -> dist.Store:
         return store
 
 
+def _concurrently(fns: List, what: str, undo=None) -> List:
+    """Run ``fns`` each in a thread of its own; their results in order. If any raised, the
+    results of the others are handed to ``undo`` and the first error is raised."""
+    results: List = [None] * len(fns)
+    errors: List[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"pitstop-group-{what}-{i}", daemon=True)
+               for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        if undo is not None:
+            for r in results:
+                if r is not None:
+                    undo(r)
+        raise errors[0]
+    return results
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
@@ -123,6 +151,7 @@ class GroupRegistry:
         gloo_twins: bool = True,
         prefix: str = "pitstop",
         fence: Optional[pgmod.Fence] = pgmod.FENCE,
+        deferred: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise GroupError("torch.distributed is not initialised: call pitstop.pg.init_world() first")
@@ -144,6 +173,14 @@ class GroupRegistry:
         (:class:`pitstop.pg.Fence`); None builds plain, unguarded communicators."""
         self._entries: Dict[str, Entry] = {}
         self._retired: List[dist.ProcessGroup] = []
+        self._deferred: Optional[List] = [] if deferred else None
+        """A joiner's communicators still to build (see :meth:`build` and :meth:`attach`)."""
+        self._builder: Optional[threading.Thread] = None
+        self._builder_error: Optional[BaseException] = None
+        self.attach_wait_s = 0.0
+        """How long :meth:`attach` waited for the background build (0: it was done already)."""
+        if deferred and fence is None:
+            raise GroupError("a deferred build needs a fence to answer for the groups until they exist")
 
     # ----------------------------------------------------------------- naming
     def _name(self, kind: str, ranks: Tuple[int, ...], gen: int, suffix: str = "") -> str:
@@ -156,13 +193,18 @@ class GroupRegistry:
         return dist.PrefixStore(f"{self.prefix}/g{gen}", sealed(base if base is not None else self.store))
 
     # ----------------------------------------------------------------- building
-    def _build_comm(self, kind: str, ranks: Tuple[int, ...], gen: int, base: Optional[dist.Store] = None) -> Entry:
-        store = self._store_for(gen, base)
-        group = pgmod.new_comm(ranks, self.backend, store, self._name(kind, ranks, gen), self.timeout, kind, self.fence)
+    def _build_comm(self, kind: str, ranks: Tuple[int, ...], gen: int, base: Optional[dist.Store] = None,
+                    deferred: Optional[List] = None) -> Entry:
+        # deferred: the builder thread opens the group's own connection when it runs
+        store = (lambda: self._store_for(gen, _own_connection(self.store))) if deferred is not None \
+            else self._store_for(gen, base)
+        group = pgmod.new_comm(ranks, self.backend, store, self._name(kind, ranks, gen), self.timeout, kind, self.fence,
+                               deferred)
         gloo = None
         if self.gloo_twins and kind in GLOO_TWIN_KINDS:
             gloo = group if self.backend in ("gloo", "pitstop_virtual") else pgmod.new_comm(
-                ranks, "gloo", store, self._name(kind, ranks, gen, "+gloo"), self.timeout, kind + "+gloo", self.fence
+                ranks, "gloo", store, self._name(kind, ranks, gen, "+gloo"), self.timeout, kind + "+gloo", self.fence,
+                deferred,
             )
         return Entry((kind, ranks, gen), group, "comm", gloo)
 
@@ -179,23 +221,103 @@ class GroupRegistry:
         return Entry((kind, ranks, gen), group, "composite")
 
     def build(self) -> None:
-        """Create every group of this rank for the current generation."""
+        """Create every group of this rank for the current generation.
+
+        A deferred registry (a joiner: ``deferred=True``) returns at once. Every group
+        object exists, named and registered, so the script builds its model, optimizer
+        and data around them while a background thread rendezvouses with the stayers,
+        who are rolling back and preparing their side meanwhile::
+
+            joiner   assigned | groups exist (empty) | model, optimizer, data  | attach | state
+                              | background: rendezvous tp, pp, dp, ... ------> |
+            stayers  rollback | prepare the delta (rendezvous) ------------->  | send state
+
+        Until :meth:`attach` returns, the fence must be local (nothing is sent).
+        """
         if self._entries:
             raise GroupError(f"rank {self.rank}: groups already built (generation {self.generation})")
+        if self._deferred is not None:
+            # each rendezvous goes over a connection of its own: the main thread's store
+            # client stays free (a c10d client serialises every call behind a blocking wait)
+            self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation,
+                              self._entries)
+            self._builder = threading.Thread(target=self._run_deferred, name=f"pitstop-groups-g{self.generation}",
+                                             daemon=True)
+            self._builder.start()
+            return
         self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation, self._entries)
 
-    def _build_kinds(self, kinds, gen: int, entries: Dict[str, Entry], base: Optional[dist.Store] = None) -> List[str]:
+    def _run_deferred(self) -> None:
+        t0 = time.perf_counter()
+        tasks = self._deferred or []
+        try:  # every group at once, as the stayers prepare theirs (_build_kinds(concurrent=True))
+            _concurrently([(lambda t=t: [attach() for attach in t]) for t in tasks], f"r{self.rank} g{self.generation}")
+        except BaseException as exc:  # noqa: BLE001 - raised by attach() in the caller's thread
+            self._builder_error = exc
+            return
+        log.info("[g%d r%d] %d communicators built in the background in %.3fs", self.generation, self.rank,
+                 sum(len(t) for t in tasks), time.perf_counter() - t0)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether some communicators are still being built in the background."""
+        return self._builder is not None
+
+    def attach(self, timeout_s: Optional[float] = None) -> float:
+        """Wait for a deferred build to finish; returns the seconds waited (0 when not deferred).
+        Raises :class:`GroupError` if a rendezvous failed or did not finish in time."""
+        if self._builder is None:
+            return 0.0
+        t0 = time.perf_counter()
+        limit = self.timeout.total_seconds() if timeout_s is None else timeout_s
+        self._builder.join(limit)
+        if self._builder.is_alive():
+            raise GroupError(f"rank {self.rank}: the background build of generation {self.generation}'s groups "
+                             f"did not finish within {limit:.0f}s")
+        self._builder = None
+        if self._builder_error is not None:
+            err, self._builder_error = self._builder_error, None
+            raise GroupError(f"rank {self.rank}: building generation {self.generation}'s groups failed: {err}") from err
+        self._deferred = None
+        self.attach_wait_s = time.perf_counter() - t0
+        return self.attach_wait_s
+
+    def _build_kinds(self, kinds, gen: int, entries: Dict[str, Entry], base: Optional[dist.Store] = None,
+                     concurrent: bool = False) -> List[str]:
         """Build ``kinds`` into ``entries`` (which also supplies the parts of composites),
-        through ``base`` (default: the registry's store)."""
+        through ``base`` (default: the registry's store).
+
+        ``concurrent``: every communicator rendezvouses at once, each in a thread with a
+        store connection of its own (a c10d client serialises its calls, so two
+        rendezvous on one connection could each wait behind the other). Each group's
+        rendezvous involves only its members, so no order across ranks is needed and a
+        delta of k groups costs about one rendezvous instead of k. A deferred registry
+        (a joiner) queues one such task per group instead (:meth:`build`)."""
         built = []
+        todo = []
         for kind in comm_kinds(self.layout):
             if kind not in kinds:
                 continue
             ranks = self.layout.group_of(kind, self.rank)
             if ranks is None:
                 continue
-            entries[kind] = self._build_comm(kind, tuple(ranks), gen, base)
-            built.append(kind)
+            todo.append((kind, tuple(ranks)))
+        if self._deferred is not None and not self._entries and entries is self._entries:
+            for kind, ranks in todo:
+                tasks: List = []
+                entries[kind] = self._build_comm(kind, ranks, gen, None, tasks)
+                self._deferred.append(tasks)
+                built.append(kind)
+        elif concurrent and len(todo) > 1:
+            made = _concurrently([(lambda k=kind, r=ranks: self._build_comm(k, r, gen, _own_connection(self.store)))
+                                  for kind, ranks in todo], f"r{self.rank} g{gen}", self._destroy_entry)
+            for (kind, _), e in zip(todo, made):
+                entries[kind] = e
+                built.append(kind)
+        else:
+            for kind, ranks in todo:
+                entries[kind] = self._build_comm(kind, ranks, gen, base)
+                built.append(kind)
         for kind in self.layout.kinds():
             if kind in kinds and realization(self.layout, kind).how != "comm":
                 if self.layout.group_of(kind, self.rank) is not None:
@@ -284,7 +406,7 @@ class GroupRegistry:
         # training thread may keep using them while this runs
         view = {k: v for k, v in self._entries.items() if k not in kinds}
         try:
-            self._build_kinds(kinds, gen, view, _own_connection(self.store))
+            self._build_kinds(kinds, gen, view, _own_connection(self.store), concurrent=True)
         except Exception:
             for k in kinds:
                 if k in view:

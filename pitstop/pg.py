@@ -101,6 +101,7 @@ def new_comm(
     timeout: timedelta,
     desc: str,
     fence: Optional["Fence"] = None,
+    deferred: Optional[List[Callable[[], None]]] = None,
 ) -> dist.ProcessGroup:
     """Create one communicator of ``ranks``, called by its members only (no world barrier).
 
@@ -111,11 +112,29 @@ def new_comm(
     a member is its position among the sorted global ranks. With a ``fence`` the
     communicator is returned wrapped in a :class:`GuardedGroup` (registered under
     ``name``; the raw one under ``name~raw``).
+
+    ``deferred`` (a joiner building its role, see :class:`Fence.local`): the guarded
+    group is returned at once with no communicator inside, and a function that
+    rendezvouses and attaches the communicator is appended to ``deferred`` (``store``
+    may then be a function that returns the store, called by that function). Until it
+    ran, the group answers only while the fence is local; the caller runs the list
+    (in order, in a background thread) and waits for it before the fence opens.
     """
     ranks = sorted(ranks)  # as torch's new_group does: group rank = position in sorted order
     me = dist.get_rank()
     if me not in ranks:
         raise GroupError(f"rank {me} is not a member of group {name} {ranks}")
+    if deferred is not None:
+        if fence is None:
+            raise GroupError(f"group {name}: a deferred communicator needs a fence to answer for it until it exists")
+        guarded = GuardedGroup(None, ranks.index(me), len(ranks), name, fence, kind=desc, backend=backend)
+        register_python_group(guarded, name, ranks, desc)
+
+        def attach() -> None:  # ``store`` may be a function that opens the connection only now
+            guarded.attach(new_comm(ranks, backend, store() if callable(store) else store, name + "~raw", timeout, desc))
+
+        deferred.append(attach)
+        return guarded
     raw_name = name if fence is None else name + "~raw"
     try:
         pg, _ = c10d._new_process_group_helper(
@@ -672,16 +691,24 @@ class GuardedGroup(dist.ProcessGroup):
     once. Groups that are not broken behave exactly like the inner group.
     """
 
-    def __init__(self, inner: dist.ProcessGroup, rank: int, size: int, name: str, fence: Fence = FENCE,
-                 kind: str = "") -> None:
+    def __init__(self, inner: Optional[dist.ProcessGroup], rank: int, size: int, name: str, fence: Fence = FENCE,
+                 kind: str = "", backend: str = "") -> None:
         super().__init__(rank, size)
         self.inner = inner
+        """The real communicator; None while it is still being built (a joiner's deferred group)."""
         self.kind = kind.split("+")[0]
         """The layout's group kind (``tp``, ``dp``, ...); a gloo twin shares its group's kind."""
         self.fence = fence
         self._name = name
-        self._backend = inner.name()
+        self._backend = inner.name() if inner is not None else backend
         self._marked = False
+
+    def attach(self, inner: dist.ProcessGroup) -> None:
+        """Put the communicator in a group created without one (``new_comm(deferred=...)``)."""
+        if self.inner is not None:
+            raise GroupError(f"group {self._name} has a communicator already")
+        self.raw = inner
+        self.inner = inner
 
     def getBackendName(self) -> str:  # noqa: N802
         return self._backend
@@ -707,6 +734,9 @@ class GuardedGroup(dist.ProcessGroup):
     def _call(self, what: str, args, kwargs):
         if self.fence.local or (self.broken and self.fence.armed):
             return GuardedWork(None, self, what)
+        if self.inner is None:
+            raise GroupError(f"{what} on group {self._name}: its communicator is still being built "
+                             "(a joiner must attach its deferred groups before its fence opens)")
         tap = _tapped(self.kind, what, args) if TAP is not None else None
         try:
             work = getattr(self.inner, what)(*args, **kwargs)
@@ -716,6 +746,8 @@ class GuardedGroup(dist.ProcessGroup):
         return GuardedWork(work, self, what, _outputs(what, args), on_done=tap)
 
     def shutdown(self) -> None:
+        if self.inner is None:
+            return
         try:
             self.inner.shutdown()
         except Exception:  # noqa: BLE001

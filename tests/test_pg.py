@@ -62,3 +62,26 @@ def test_background_prepare_does_not_wait_behind_the_training_threads_store_call
             assert res["main_wait_error"] is None and res["prepare_error"] is None, res
             assert res["prepare_s"] < 15, res
 
+
+
+@pytest.mark.timeout(120)
+def test_a_joiners_deferred_groups_exist_at_once_and_talk_after_attach(job, tmp_path):
+    """A joiner builds its model while its communicators rendezvous in the background:
+    ``build()`` returns before any stayer has started (they wait for it), the group objects
+    answer locally while the fence is local, refuse an operation by name while the fence
+    is open and nothing is attached, and after ``attach`` the same objects reduce with the
+    stayers, whose side was built concurrently."""
+    world = 4
+    ctx = job.start("pg-deferred", [WORKER, str(tmp_path), "deferred-joiner"], range(world), world)
+    wait_done(job, ctx, timeout=100)
+    res = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(world)]
+    j = res[3]
+    assert j["deferred_after_build"] is True and j["deferred_after_attach"] is False, j
+    assert j["dp_ranks_before_attach"] == [1, 3], j
+    assert j["local_allreduce"] == 5.0, j
+    assert j["open_before_attach"] and "still being built" in j["open_before_attach"], j
+    assert j["same_object"] is True, j
+    for r in res:
+        assert r["generation"] == 1, r
+        assert r["dp_sum"] == (1.0 + 3.0 if r["rank"] % 2 == 0 else 2.0 + 4.0), r
+        assert r["tp_sum"] == (1.0 + 2.0 if r["rank"] < 2 else 3.0 + 4.0), r

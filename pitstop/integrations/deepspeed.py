@@ -140,7 +140,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             emulation.check_layout(layout)
             backend = VIRTUAL_BACKEND
         reg = GroupRegistry(layout, c10d._get_default_store(), generation=m.generation, backend=backend,
-                            timeout=timedelta(seconds=m.config.collective_timeout_s), gloo_twins=False)
+                            timeout=timedelta(seconds=m.config.collective_timeout_s), gloo_twins=False,
+                            deferred=worker.defers_groups())
         reg.build()
         if emulation.active():
             emulation.groups_ready(len(reg.entries()))

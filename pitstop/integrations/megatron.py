@@ -280,6 +280,7 @@ def initialize_model_parallel(
         backend=backend,
         timeout=_group_timeout(distributed_timeout_minutes),
         gloo_twins=create_gloo_process_groups,
+        deferred=_defers_groups(),
     )
     sandbox.maybe_start_recording(layout, dist.get_rank())
     reg.build()
@@ -300,6 +301,13 @@ def _group_timeout(distributed_timeout_minutes: int) -> timedelta:
     if m is not None and m.controlled:
         return timedelta(seconds=m.config.collective_timeout_s)
     return timedelta(minutes=distributed_timeout_minutes)
+
+
+def _defers_groups() -> bool:
+    """A joiner builds its model while its communicators rendezvous in the background."""
+    from pitstop.runtime.worker import defers_groups
+
+    return defers_groups()
 
 
 def _default_generation() -> int:

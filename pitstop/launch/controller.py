@@ -889,6 +889,9 @@ class Controller:
                 first_step_s=after(ready),
                 downtime_s=after(start),
                 rebuilt=max([v.get("rebuilt", 0) for v in stayers] or [0]),
+                # the joiner built its model while its groups rendezvoused; then it waited this long for them
+                joiner_built_s=timings.get("joiner", {}).get("built_s"),
+                joiner_attach_wait_s=timings.get("joiner", {}).get("attach_wait_s"),
                 ranks_rebuilding=sum(1 for v in stayers if v.get("groups_s", 0) and v.get("rebuilt")),
                 reason=ch["reason"],
             )

@@ -498,6 +498,8 @@ class Session:
         """A joiner for a failed role: shard from the buddy, parameters from the all-gather."""
         a = self.m.assignment
         role, step = self.rank, int(a["step"])
+        built_s = time.time() - self.m.joined_at  # assignment to here: world, groups (empty), model, optimizer, data
+        waited = self.registry.attach()  # the communicators built in the background meanwhile
         self.fence.local = False
         t0 = time.perf_counter()
         ranks, group = self._shard_group()
@@ -512,7 +514,8 @@ class Session:
         self.first_step = step
         self.step = step
         self.data = self.make_data(step)
-        self._report(self.gen, "joiner", joined=self.m.joined_at, recv_s=t_state - t0, state_s=time.perf_counter() - t0, ready=time.time())
+        self._report(self.gen, "joiner", joined=self.m.joined_at, built_s=built_s, attach_wait_s=waited,
+                     recv_s=t_state - t0, state_s=time.perf_counter() - t0, ready=time.time())
         self._info("joined as role %d at step %d (state from buddy r%d)", role, step, nxt)
 
     def _start_drain(self) -> None:
@@ -520,6 +523,7 @@ class Session:
         a = self.m.assignment
         old_gen = int(a["from_generation"])
         roles = protocol.role_list(a, self.layout.world_size) if a.get("roles") else [self.rank]
+        self.registry.attach()
         self.fence.local = False
         pair = _handoff_pair(old_gen, self.rank, 1, self.cfg)
         plan = plan_replace(self.layout, tuple(roles), old_gen, old_gen + 1)

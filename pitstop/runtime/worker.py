@@ -333,6 +333,14 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
     return _CURRENT
 
 
+def defers_groups() -> bool:
+    """Whether this process's groups are built in the background: a joiner, whose fence is
+    local until its session takes the state (:meth:`pitstop.groups.GroupRegistry.build`)."""
+    from pitstop.pg import FENCE
+
+    return _CURRENT is not None and _CURRENT.joiner and FENCE.local
+
+
 def require_current() -> Membership:
     if _CURRENT is None:
         raise PitstopError("this process has not joined a pitstop job: call pitstop.runtime.worker.join() first")

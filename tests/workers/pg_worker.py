@@ -72,10 +72,68 @@ def background_prepare(out_dir):
     dist.destroy_process_group()
 
 
+def deferred_joiner(out_dir):
+    """Rank 3 is a joiner whose registry is deferred: its ``build()`` must return before any
+    peer has started building the next generation (the stayers wait for its word first; a
+    build that rendezvoused in the foreground would wait for them: a deadlock). Its groups
+    exist, registered, but empty; with the fence local an operation completes in place;
+    with the fence open and no communicator yet it is refused by name. ``attach`` then
+    waits for the background build, and the very same group objects talk to the stayers,
+    which built their side concurrently (``prepare``)."""
+    from pitstop.pg import FENCE
+
+    store = connect_from_env(T)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_world(store, rank, world, T)
+    layout = ParallelLayout(world, tp=2)
+    reg = GroupRegistry(layout, store, timeout=T)
+    reg.build()  # generation 0, everyone (rank 3 as the old process of role 3)
+    res = {"rank": rank}
+    if rank == world - 1:
+        FENCE.local = True
+        reg = GroupRegistry(layout, store, generation=1, timeout=T, deferred=True)
+        reg.build()
+        res["deferred_after_build"] = reg.deferred
+        store.set("pgtest/joiner-built", "1")  # only now do the stayers start their side
+        dp = reg.group("dp")
+        res["dp_ranks_before_attach"] = dist.get_process_group_ranks(dp)
+        t = torch.tensor([5.0])
+        dist.all_reduce(t, group=dp)  # local: nothing is sent, the buffer is left as it is
+        res["local_allreduce"] = t.item()
+        FENCE.local = False
+        try:
+            dist.all_reduce(torch.tensor([1.0]), group=dp)
+            res["open_before_attach"] = None
+        except GroupError as exc:
+            res["open_before_attach"] = str(exc)
+        FENCE.local = True
+        res["attach_wait_s"] = reg.attach()
+        FENCE.local = False
+        res["same_object"] = reg.group("dp") is dp
+        res["deferred_after_attach"] = reg.deferred
+    else:
+        store.wait(["pgtest/joiner-built"], timedelta(seconds=30))
+        reg.commit(reg.prepare(world - 1))
+    res["generation"] = reg.generation
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=reg.group("dp"))
+    res["dp_sum"] = t.item()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=reg.group("tp"))
+    res["tp_sum"] = t.item()
+    with open(os.path.join(out_dir, f"result_{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.barrier()
+    reg.destroy()
+    dist.destroy_process_group()
+
+
 def main():
     out_dir = sys.argv[1]
     if sys.argv[2:] == ["background-prepare"]:
         return background_prepare(out_dir)
+    if sys.argv[2:] == ["deferred-joiner"]:
+        return deferred_joiner(out_dir)
     store = connect_from_env(T)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     init_world(store, rank, world, T)
