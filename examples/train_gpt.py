@@ -66,6 +66,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data-cache-path", default=None, metavar="DIR",
+                   help="where the dataset's index files are saved and looked up (Megatron-LM's flag): the first "
+                        "process builds them, every later one (a restart, a standby taking a role) loads them")
     p.add_argument("--loss-file", default=None, help="append the per-step JSON lines here")
     p.add_argument("--checksum", action="store_true", help="print a parameter checksum per rank")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -319,6 +322,7 @@ def build_dataset(args: argparse.Namespace, num_samples: int):
         eod_mask_loss=False,
         tokenizer=tokenizer,
         mid_level_dataset_surplus=0.005,
+        path_to_cache=args.data_cache_path,
     )  # no blend => mock=True
     train, _, _ = BlendedMegatronDatasetBuilder(
         MockGPTDataset, [num_samples, None, None], lambda: True, config

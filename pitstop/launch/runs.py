@@ -20,6 +20,14 @@ PITSTOP = [sys.executable, "-m", "pitstop.launch.cli"]
 GPT = ["examples/train_gpt.py", "--tp", "2", "--pp", "2", "--checksum"]
 
 
+def _data_cache(script: List[str], run_dir: Path) -> List[str]:
+    """``--data-cache-path`` for the GPT script, as a Megatron-LM user passes it: the dataset's
+    index files are built once, and a restart or a joiner loads them instead of rebuilding."""
+    if script and script[0].endswith("train_gpt.py") and "--data-cache-path" not in script:
+        return ["--data-cache-path", str(run_dir / "data-cache")]
+    return []
+
+
 @dataclass
 class JobResult:
     run_dir: Path
@@ -55,7 +63,8 @@ def run_job(run_dir: Path, steps: int, standby: int = 0, faults: str = "", launc
     run_dir.mkdir(parents=True, exist_ok=True)
     loss_file = run_dir / "loss.jsonl"
     cmd = PITSTOP + ["launch", "--nproc-per-node", str(nproc), "--standby", str(standby), "--run-dir", str(run_dir)]
-    cmd += (launch_args or []) + ["--"] + (gpt or GPT) + ["--steps", str(steps), "--loss-file", str(loss_file)] + (script_args or [])
+    cmd += (launch_args or []) + ["--"] + (gpt or GPT) + ["--steps", str(steps), "--loss-file", str(loss_file)] \
+        + _data_cache(gpt or GPT, run_dir) + (script_args or [])
     env = dict(os.environ, PITSTOP_FAULT=faults)
     with open(run_dir / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -168,7 +177,8 @@ def start_machines(run_dir: Path, steps: int, nnodes: str = "4:5", nproc: int = 
     env = dict(os.environ, PITSTOP_FAULT=faults, PITSTOP_JOB_TOKEN=secrets.token_hex(32))
     base = PITSTOP + ["launch", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
                       "--rdzv-endpoint", f"{machine_addr(0)}:{port}"] + (launch_args or [])
-    tail = ["--"] + (gpt or GPT) + ["--steps", str(steps), "--loss-file", str(run_dir / "loss.jsonl")]
+    tail = ["--"] + (gpt or GPT) + ["--steps", str(steps), "--loss-file", str(run_dir / "loss.jsonl")] \
+        + _data_cache(gpt or GPT, run_dir)
     logs = []
 
     def one(k: int) -> subprocess.Popen:
