@@ -51,7 +51,7 @@ def _summary(ref: JobResult, restart: JobResult, rep: Dict[str, Any], drn: Dict[
         "hook_overhead_pct": round(100 * hook / steady, 3),
         "breakdown": {
             "unplanned": {k: rep.get(k) for k in ("detect_s", "plan_s", "groups_s", "state_s", "first_step_s",
-                                                  "swapped", "stale_refs")},
+                                                  "joiner_built_s", "joiner_attach_wait_s", "swapped", "stale_refs")},
             "planned": {k: drn.get(k) for k in ("prepare_s", "pause_s", "groups_s", "state_s", "first_step_s",
                                                 "swapped", "stale_refs")},
             "restart": {"resume_step": (restart.of("fallback") or [{}])[0].get("resume_step")},
@@ -87,6 +87,10 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict
         "joiner_warm": rep.get("warm"), "cold_joiner_s": rep_cold.get("downtime_s"), "warm_joiner_s": rep.get("downtime_s"),
         "state_cold_s": rep_cold.get("state_s"), "state_warm_s": rep.get("state_s"),
         "first_iter_cold_s": rep_cold.get("first_iter_s"), "first_iter_warm_s": rep.get("first_iter_s")}
+    # what keeping a standby warm costs: its resident memory after the sandbox, beside a worker's
+    warmed = [e["rss_bytes"] for e in unplanned.of("warmed") if e.get("ok")]
+    out["standby_memory"] = {"warmed_standby_rss_bytes": max(warmed) if warmed else None,
+                             "worker_rss_bytes": max((s["rss_bytes"] for s in ref.stats if "rss_bytes" in s), default=None)}
     return {
         **out,
         "job": "world 8 (tp2 pp2 dp2) Megatron-Core GPT on CPU/gloo, 1 standby, kill rank 5 at step 4 (backward), drain rank 2",
