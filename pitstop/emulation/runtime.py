@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from pitstop.errors import ConfigError
+from pitstop.runtime.worker import ENV_EMULATE  # the one definition of the variable's name
 
 log = logging.getLogger("pitstop.emulate")
 
-ENV_EMULATE = "PITSTOP_EMULATE"
 PHASES = ("trace", "paced", "memory")
 
 
@@ -190,3 +190,27 @@ def _write(path: Path, data: Dict[str, Any]) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
+
+
+def _join_hook(config) -> Optional["Any"]:
+    """``pitstop.runtime.worker.join`` under ``pitstop emulate``: this process is a real rank of
+    a world of virtual peers; its boundaries pace the emulator (:func:`boundary`)."""
+    cfg = EmulationConfig.from_env()
+    if cfg is None:
+        return None
+    import os
+
+    from pitstop.runtime.worker import Membership
+
+    rank = int(os.environ["RANK"])
+    join(cfg, rank)
+    return Membership(rank, int(os.environ["WORLD_SIZE"]), 0, "emulate", config=config, on_boundary=boundary)
+
+
+def _register() -> None:
+    from pitstop.runtime import worker
+
+    worker.on_join(_join_hook)
+
+
+_register()

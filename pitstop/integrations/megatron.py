@@ -23,6 +23,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from pitstop.errors import InstallError, require
 from pitstop.groups import GroupRegistry
 from pitstop.layout import ParallelLayout
+from pitstop.runtime import sandbox as _sandbox
+from pitstop.runtime.framework import Framework
+from pitstop.emulation import runtime as _emulation  # noqa: F401 - plugs `pitstop emulate` into worker.join
 
 log = logging.getLogger("pitstop.megatron")
 
@@ -282,7 +285,9 @@ def initialize_model_parallel(
         gloo_twins=create_gloo_process_groups,
         deferred=_defers_groups(),
     )
-    sandbox.maybe_start_recording(layout, dist.get_rank())
+    from pitstop.runtime.worker import current
+
+    sandbox.maybe_start_recording(layout, dist.get_rank(), current())
     reg.build()
     install(reg, create_gloo_process_groups)
     if emulation.active():
@@ -390,4 +395,27 @@ def session(model, optimizer, make_data, **kw):
     """The iteration-boundary hook for a Megatron training loop (see :class:`pitstop.runtime.session.Session`)."""
     from pitstop.runtime.session import Session
 
+    kw.setdefault("framework", MEGATRON)
     return Session(model, optimizer, make_data, **kw)
+
+
+class MegatronFramework(Framework):
+    """The runtime's adapter for Megatron-Core: its groups are the ones :func:`install` wrote."""
+
+    def registry(self):
+        return registry()
+
+    def install(self, reg) -> None:
+        install(reg)
+
+
+MEGATRON = MegatronFramework()
+
+
+def _sandbox_teardown() -> None:
+    """After a sandboxed iteration (or its failure): no group, no installed ``parallel_state``."""
+    if registry() is not None:
+        destroy_model_parallel()
+
+
+_sandbox.on_teardown(_sandbox_teardown)

@@ -115,13 +115,22 @@ def run_sandboxed(record: Record, fn: WarmupFn) -> WarmupResult:
     return res
 
 
+#: What the integrations left installed after a sandboxed iteration, they take down:
+#: each registers a function here (:func:`on_teardown`); the runtime does not import them.
+_TEARDOWN: List[Callable[[], None]] = []
+
+
+def on_teardown(fn: Callable[[], None]) -> None:
+    """Run ``fn`` after every sandboxed iteration, also a failed one (idempotent per ``fn``)."""
+    if fn not in _TEARDOWN:
+        _TEARDOWN.append(fn)
+
+
 def _teardown() -> None:
     """Leave no group, no installed ``parallel_state`` and no default group behind."""
-    from pitstop.integrations import megatron as integ
-
     try:
-        if integ.registry() is not None:
-            integ.destroy_model_parallel()
+        for fn in _TEARDOWN:
+            fn()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -218,7 +227,7 @@ class _Recording:
     recorder = None
 
 
-def maybe_start_recording(layout, rank: int) -> bool:
+def maybe_start_recording(layout, rank: int, m=None) -> bool:
     """At job start, on the one rank of each role class: record until the first commit.
 
     Called by the integration right before the groups are built, so the set-up's
@@ -226,11 +235,10 @@ def maybe_start_recording(layout, rank: int) -> bool:
     all-gather) are in the record too: the sandbox repeats the whole set-up.
     """
     from pitstop.emulation.record import Recorder, recorder_class
-    from pitstop.runtime.worker import current
-
     from pitstop.runtime import keys
 
-    m = current()
+    # ``m``: this process's :class:`~pitstop.runtime.worker.Membership` (the caller has it;
+    # the worker imports this module, so this module does not import the worker)
     # a checkpoint restart's set-up loads a checkpoint, which a sandbox does not: only a
     # fresh start records (the first one, or a start over before any step committed)
     if (m is None or not m.controlled or not m.config.warmup or m.mode != "worker"

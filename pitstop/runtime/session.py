@@ -36,7 +36,7 @@ from pitstop.emulation import memory
 from pitstop.errors import PitstopError, RecoveryError
 from pitstop.plan import plan_replace
 from pitstop.runtime import keys, sandbox, state, worker
-from pitstop.runtime.framework import MEGATRON, Framework, first_trainable, wrap
+from pitstop.runtime.framework import Framework, first_trainable, wrap
 from pitstop.runtime.faults import Fault
 from pitstop.runtime.swap import find_groups, swap_groups
 from pitstop.runtime.worker import Membership, require_current
@@ -50,7 +50,10 @@ class Session:
     def __init__(self, model: Sequence[Any], optimizer, make_data: Callable[[int], Iterator], *,
                  checkpoint_dir: Optional[str] = None, framework: Optional[Framework] = None) -> None:
         self.m: Membership = require_current()
-        self.fw: Framework = framework or MEGATRON
+        if framework is None:
+            raise PitstopError("Session(framework=None): the session is handed its library's adapter; make it "
+                               "through pitstop.integrations.megatron.session or pitstop.integrations.deepspeed")
+        self.fw: Framework = framework
         self.model = list(model)
         self.optimizer = optimizer
         self.make_data = make_data
@@ -167,10 +170,8 @@ class Session:
             iter_s = time.perf_counter() - self._t_step
             self.iter_s.append(iter_s)
             self.steps_committed += 1
-            if self.m.mode == "emulate":
-                from pitstop.emulation import runtime as emulation
-
-                emulation.boundary(iter_s)
+            if self.m.on_boundary is not None:  # `pitstop emulate`: the emulator's hook
+                self.m.on_boundary(iter_s)
             memory.boundary()
             self._committed = True
             return True

@@ -61,6 +61,8 @@ class Membership:
     joined_at: float = field(default_factory=time.time)
     channel: Optional[Channel] = None
     """The authenticated view of ``store``: every control message goes through it."""
+    on_boundary: Optional[Callable[[float], None]] = None
+    """Called with each iteration's time at the boundary (the emulator's pacing hook)."""
 
     @property
     def controlled(self) -> bool:
@@ -72,6 +74,17 @@ class Membership:
 
 
 _CURRENT: Optional[Membership] = None
+
+ENV_EMULATE = "PITSTOP_EMULATE"
+#: Other ways into a job, registered by higher layers: ``hook(config)`` returns this
+#: process's membership if it took the join, else None (:func:`on_join`).
+_JOIN_HOOKS: List[Callable[[RuntimeConfig], Optional["Membership"]]] = []
+
+
+def on_join(hook: Callable[[RuntimeConfig], Optional["Membership"]]) -> None:
+    """Let ``hook`` take :func:`join` first (the emulator does, under ``pitstop emulate``)."""
+    if hook not in _JOIN_HOOKS:
+        _JOIN_HOOKS.append(hook)
 
 
 def current() -> Optional[Membership]:
@@ -274,16 +287,15 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
     cfg = config if config is not None else RuntimeConfig.from_env()
     world = int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=cfg.collective_timeout_s)
-    from pitstop.emulation.runtime import EmulationConfig
-
-    emu = EmulationConfig.from_env()
-    if emu is not None:  # `pitstop emulate`: a real rank among virtual ones
-        from pitstop.emulation import runtime as emulation
-
-        rank = int(os.environ["RANK"])
-        emulation.join(emu, rank)
-        _CURRENT = Membership(rank, world, 0, "emulate", config=cfg)
-        return _CURRENT
+    for hook in _JOIN_HOOKS:  # `pitstop emulate`: a real rank among virtual ones
+        m = hook(cfg)
+        if m is not None:
+            _CURRENT = m
+            return _CURRENT
+    if os.environ.get(ENV_EMULATE):
+        raise PitstopError(f"{ENV_EMULATE} is set (`pitstop emulate`), but nothing took the emulated join: join "
+                           "through pitstop.integrations (megatron.init_distributed, deepspeed.initialize), "
+                           "which plug the emulator in")
     if os.environ.get(ENV_CONTROLLER) != "1":
         rank = int(os.environ["RANK"])
         init_world(connect_from_env(), rank, world, timeout)

@@ -1,0 +1,134 @@
+"""Tier 1: the direction of dependency inside pitstop.
+
+Every ``import`` under ``pitstop/`` is parsed, the lazy ones inside functions included,
+and each must point to the same layer or a lower one; no set of modules may import
+each other in a circle. The layers, from the bottom up::
+
+    0  data           errors, layout, roster, plan, protocol (messages, sealing), patches
+    1  communication  store, pg, groups, the virtual backend and its oracles' plumbing
+                      (emulation.virtual, emulation.memory, emulation.record)
+    2  runtime        the resilience runtime: worker, session, state, sandbox, ...
+    3  emulation      the emulation pipeline (the rest of pitstop.emulation)
+    4  integrations   Megatron-Core, DeepSpeed adapters
+    5  control, CLI   pitstop.launch (controller, agents, CLI, benchmarks)
+
+A lower layer that needs something of a higher one is handed it (the session gets its
+framework adapter, the sandbox its teardown, the runtime its boundary hooks), as
+torchft's ``Manager`` is handed its process group.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Module (or package) -> layer; the longest matching prefix decides.
+LAYERS: Dict[str, int] = {
+    "pitstop": 0,
+    "pitstop.errors": 0, "pitstop.layout": 0, "pitstop.roster": 0, "pitstop.plan": 0, "pitstop.protocol": 0,
+    "pitstop.patches": 0,
+    "pitstop.store": 1, "pitstop.pg": 1, "pitstop.groups": 1,
+    "pitstop.emulation.virtual": 1, "pitstop.emulation.memory": 1, "pitstop.emulation.record": 1,
+    "pitstop.runtime": 2,
+    "pitstop.emulation": 3,
+    "pitstop.integrations": 4,
+    "pitstop.launch": 5,
+}
+
+
+def layer_of(mod: str) -> int:
+    best = max((p for p in LAYERS if mod == p or mod.startswith(p + ".")), key=len)
+    return LAYERS[best]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports() -> Dict[str, Set[Tuple[str, int]]]:
+    """module -> {(imported pitstop module, line)}, every import statement anywhere in the file."""
+    files = {module_name(p): p for p in (ROOT / "pitstop").rglob("*.py")}
+    out: Dict[str, Set[Tuple[str, int]]] = defaultdict(set)
+
+    def resolve(name: str) -> str:
+        while name not in files and "." in name:  # `from pitstop.x import y`: y may be a name, not a module
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    for mod, path in files.items():
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: List[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] or [base]
+            for t in targets:
+                if t == "pitstop" or t.startswith("pitstop."):
+                    dep = resolve(t)
+                    if dep != mod:
+                        out[mod].add((dep, node.lineno))
+    for mod in files:
+        out.setdefault(mod, set())
+    return out
+
+
+def test_the_parser_sees_lazy_imports_inside_functions():
+    """A guard on the guard: an import inside a function body is found (the upward edges
+    this test forbids were all lazy ones)."""
+    found = imports()["pitstop.launch.cli"]
+    assert any(dep.startswith("pitstop.launch.") for dep, _ in found), sorted(found)[:10]
+    assert layer_of("pitstop.emulation.record") == 1 and layer_of("pitstop.emulation.hybrid") == 3
+    assert layer_of("pitstop.runtime.session") == 2 and layer_of("pitstop.launch.bench_recovery") == 5
+
+
+def test_no_import_points_to_a_higher_layer():
+    upward = [f"{mod} (layer {layer_of(mod)}) imports {dep} (layer {layer_of(dep)}) at line {line}"
+              for mod, deps in imports().items() for dep, line in sorted(deps) if layer_of(dep) > layer_of(mod)]
+    assert not upward, "imports that point upward:\n  " + "\n  ".join(upward)
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    graph = {m: {d for d, _ in deps} for m, deps in imports().items()}
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on: Set[str] = set()
+    cycles: List[List[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, "modules that import each other in a circle:\n  " + "\n  ".join(map(str, cycles))
