@@ -725,11 +725,33 @@ class GuardedGroup(dist.ProcessGroup):
         """Waits on this group give up (see :class:`Fence`); set when its fault is announced."""
         self._marked = True
         self.fence.broken[self._name] = self
+        self.abort()
 
     def failed(self, what: str, exc: BaseException) -> None:
         if not self.fence.armed:
             raise GroupError(f"{what} on group {self._name} (size {self.size()}) failed: {exc}") from exc
         self.fence.trip(self, what, exc)
+        self.abort()
+
+    #: Backends whose pending operations must be aborted, not just abandoned: an NCCL
+    #: kernel waiting for a dead peer blocks its CUDA stream, and with it every later
+    #: kernel of the process (gloo's operations run on its own threads and are left to
+    #: finish or fail in the retired group; its ``abort()`` does not close connections).
+    ABORT_BACKENDS = ("nccl",)
+
+    def abort(self) -> bool:
+        """Abort the communicator (ProcessGroupNCCL's abort path: ``ncclCommAbort``) once, from any
+        thread; returns whether it was aborted now. The group is retired by the recovery anyway."""
+        inner = self.inner
+        if inner is None or self._backend not in self.ABORT_BACKENDS or getattr(self, "aborted", False):
+            return False
+        self.aborted = True
+        try:
+            inner.abort()
+        except Exception as exc:  # noqa: BLE001 - already torn down: nothing more to free
+            self.fence.errors.append(f"abort of {self._name}: {str(exc).splitlines()[0][:200]}")
+            return False
+        return True
 
     def _call(self, what: str, args, kwargs):
         if self.fence.local or (self.broken and self.fence.armed):

@@ -23,3 +23,19 @@ def test_registry_on_nccl_with_gloo_twins(job, tmp_path):
         res = json.loads((tmp_path / f"result_{r}.json").read_text())
         assert res["tp_sum"] == world and res["tp_backend"] == "nccl"
         assert res["dp_gloo_backend"] == "gloo" and res["dp_gloo_sum"] == 1.0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one NCCL rank each)")
+def test_a_dead_peers_pending_nccl_operation_is_aborted_not_abandoned(job, tmp_path):
+    """Issue 11 item 6: a stayer's all-reduce waits on the GPU for a dead rank. When the fault
+    is announced the group is marked broken, which aborts the NCCL communicator: the CUDA
+    stream is free again (a ``synchronize`` returns), the step is poisoned, nothing hangs."""
+    world = 2
+    ctx = job.start("nccl-abort", [str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(tmp_path), "abort"],
+                    range(world), world)
+    wait_done(job, ctx, timeout=200)
+    res = json.loads((tmp_path / "result_0.json").read_text())
+    assert res["aborted"] is True, res
+    assert res["stream_free"] is True, res
+    assert res["poisoned"] is True, res

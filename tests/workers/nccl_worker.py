@@ -14,7 +14,50 @@ from pitstop.pg import init_world
 from pitstop.store import connect_from_env
 
 
+def abort(out_dir):
+    """Rank 1 dies after the communicator is up; rank 0's next all-reduce waits on the GPU for it.
+    Marking the group broken (what the heartbeat thread does when the controller announces the
+    fault) must abort the NCCL communicator, so the CUDA stream is free again: a later
+    ``synchronize`` returns instead of waiting forever behind the kernel."""
+    import threading
+    import time
+
+    from pitstop.pg import FENCE
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    store = connect_from_env()
+    init_world(store, rank, world, timedelta(seconds=120))
+    reg = GroupRegistry(ParallelLayout(world, tp=world), store, backend="nccl", timeout=timedelta(seconds=120))
+    reg.build()
+    tp = reg.group("tp")
+    t = torch.ones(1, device="cuda")
+    dist.all_reduce(t, group=tp)
+    torch.cuda.synchronize()
+    store.add("nccltest/up", 1)
+    while store.add("nccltest/up", 0) < world:
+        time.sleep(0.05)
+    if rank == 1:
+        os._exit(0)  # the peer is gone: its half of the next all-reduce never comes
+    FENCE.armed = True  # a training step runs
+    x = torch.ones(1 << 20, device="cuda")
+    work = dist.all_reduce(x, group=tp, async_op=True)  # on the stream, waiting for rank 1
+    threading.Timer(2.0, tp.mark_broken).start()  # the fault's announcement
+    work.wait()
+    done = threading.Event()
+    t0 = time.monotonic()
+    threading.Thread(target=lambda: (torch.cuda.synchronize(), done.set()), daemon=True).start()
+    free = done.wait(90)
+    res = {"stream_free": free, "sync_s": round(time.monotonic() - t0, 3), "aborted": bool(getattr(tp, "aborted", False)),
+           "poisoned": FENCE.poisoned}
+    with open(os.path.join(out_dir, f"result_{rank}.json"), "w") as f:
+        json.dump(res, f)
+    os._exit(0 if free else 1)
+
+
 def main():
+    if sys.argv[2:] == ["abort"]:
+        return abort(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank % torch.cuda.device_count())
     store = connect_from_env()
