@@ -173,6 +173,9 @@ class GroupRegistry:
         (:class:`pitstop.pg.Fence`); None builds plain, unguarded communicators."""
         self._entries: Dict[str, Entry] = {}
         self._retired: List[dist.ProcessGroup] = []
+        self._pool: List[dist.Store] = []
+        """Store connections lent to concurrent rendezvous (:meth:`_on_own_connection`)."""
+        self._pool_lock = threading.Lock()
         self._deferred: Optional[List] = [] if deferred else None
         """A joiner's communicators still to build (see :meth:`build` and :meth:`attach`)."""
         self._builder: Optional[threading.Thread] = None
@@ -207,6 +210,22 @@ class GroupRegistry:
                 deferred,
             )
         return Entry((kind, ranks, gen), group, "comm", gloo)
+
+    def _on_own_connection(self, kind: str, ranks: Tuple[int, ...], gen: int) -> Entry:
+        """Build one communicator over a store connection no other thread uses meanwhile.
+
+        The connections are kept and lent again at the next delta: a rendezvous needs the
+        store only while the group is built, and opening fresh ones every time would pile
+        up sockets on every process, and on the store's server, over a long job."""
+        with self._pool_lock:
+            conn = self._pool.pop() if self._pool else None
+        if conn is None:
+            conn = _own_connection(self.store)
+        try:
+            return self._build_comm(kind, ranks, gen, conn)
+        finally:
+            with self._pool_lock:
+                self._pool.append(conn)
 
     def _derive(self, kind: str, gen: int, entries: Dict[str, Entry]) -> Entry:
         r = realization(self.layout, kind)
@@ -309,8 +328,8 @@ class GroupRegistry:
                 self._deferred.append(tasks)
                 built.append(kind)
         elif concurrent and len(todo) > 1:
-            made = _concurrently([(lambda k=kind, r=ranks: self._build_comm(k, r, gen, _own_connection(self.store)))
-                                  for kind, ranks in todo], f"r{self.rank} g{gen}", self._destroy_entry)
+            made = _concurrently([(lambda k=kind, r=ranks: self._on_own_connection(k, r, gen)) for kind, ranks in todo],
+                                 f"r{self.rank} g{gen}", self._destroy_entry)
             for (kind, _), e in zip(todo, made):
                 entries[kind] = e
                 built.append(kind)

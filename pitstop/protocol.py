@@ -250,6 +250,7 @@ LAYOUT = Schema("layout", {"world_size": Field(int, lo=1, hi=2 ** 24), "tp": Fie
                            "order": Field(str, max_len=64), "shard_kind": Field(str, max_len=32)})
 
 
+NODE_LINK = Schema("node-link", {"host": Field(str, max_len=255), "port": Field(int, lo=1, hi=65535)})
 NODE_HELLO = Schema("node-hello", {"node": Field(int, lo=0, hi=2 ** 20), "host": Field(str, max_len=255),
                                    "addr": Field(str, max_len=255), "nproc": Field(int, lo=1, hi=4096),
                                    "pid": Field(int, lo=1, hi=2 ** 31)})

@@ -206,3 +206,83 @@ def test_a_machines_agent_answers_a_probe_once_and_not_a_replayed_one(tmp_path):
         ch.put(keys.DONE, {"set": True})
         th.join(10)
     assert rc == [0]
+
+
+def test_a_machines_link_reports_its_agents_death_at_once_and_refuses_impostors():
+    """The agent's TCP link (pitstop.launch.link), real sockets and a real process: a link that
+    proves the token is taken; a wrong token, junk, or a second link for a machine are refused
+    and never count; a clean leave is no loss; a process SIGKILLed while it holds a link is
+    reported lost on the next polls, with the cause."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from pitstop.launch import link
+
+    token = "t" * 64
+    refused = []
+    srv = link.LinkServer("127.0.0.1", token, on_refused=lambda what, why: refused.append(why))
+
+    def until(cond, what, lost=None):
+        t0 = time.monotonic()
+        while True:
+            got = srv.poll()
+            if lost is not None:
+                lost.extend(got)
+            else:
+                assert got == [], got  # nothing here may count as a loss
+            if cond():
+                return
+            assert time.monotonic() - t0 < 20, what
+            time.sleep(0.01)
+
+    def connect_async(node, tok):
+        box = {}
+
+        def go():
+            try:
+                box["sock"] = link.connect("127.0.0.1", srv.port, node, tok)
+            except (OSError, ValueError) as exc:
+                box["error"] = exc
+        th = threading.Thread(target=go, daemon=True)
+        th.start()
+        return box, th
+
+    try:
+        good, th = connect_async(2, token)
+        until(lambda: 2 in srv.links, "the good link was not taken")
+        th.join(5)
+        bad, th = connect_async(3, "x" * 64)
+        until(lambda: any("does not prove" in r for r in refused), "a wrong token was not refused")
+        th.join(5)
+        dup, th = connect_async(2, token)
+        until(lambda: any("has a link already" in r for r in refused), "a second link for machine 2 was taken")
+        th.join(5)
+        import socket
+
+        junk = socket.create_connection(("127.0.0.1", srv.port))
+        junk.sendall(b"hello there\n")
+        until(lambda: sum("does not prove" in r for r in refused) >= 2, "junk was not refused")
+        junk.close()
+        assert set(srv.links) == {2}
+        link.leave(good["sock"])
+        until(lambda: not srv.links, "a clean leave left the link")  # and reported no loss (until asserts it)
+
+        code = ("import sys, time; from pitstop.launch import link; "
+                f"s = link.connect('127.0.0.1', {srv.port}, 4, {token!r}); print('up', flush=True); time.sleep(600)")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            until(lambda: 4 in srv.links, "the process's link was not taken")
+            os.kill(proc.pid, signal.SIGKILL)
+            lost = []
+            until(lambda: bool(lost), "the killed process's link was not reported", lost=lost)
+            assert lost == [(4, "its agent's connection to the controller closed")], lost
+            assert 4 not in srv.links
+        finally:
+            proc.kill()
+            proc.wait()
+    finally:
+        srv.close()

@@ -124,7 +124,8 @@ class Controller:
         self.lost_at = 0.0
         self.lost_detected = 0.0
         self.agent: Any = (RemoteAgents(self.ch, self.run_dir, spec.nodes.max, self.cfg.heartbeat_timeout_s,
-                                        self._node_lost, confirm_s=self.confirm_s(), probe_s=self.probe_s())
+                                        self._node_lost, confirm_s=self.confirm_s(), probe_s=self.probe_s(),
+                                        link_host=self.host, on_refused=self._refused)
                            if spec.multi_node else Agent(self.run_dir))
         self.poison_seen: Optional[tuple] = None      # (generation, step) of the last poisoned verdict seen
         self.members: Dict[int, Member] = {}          # by slot

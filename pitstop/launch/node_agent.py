@@ -86,6 +86,8 @@ class NodeAgent:
         self.beats = 0
         self.answered = 0
         """The newest probe answered (an older one, replayed, is not answered again)."""
+        self.link = None
+        self.link_tried = False
 
     def _child_env(self, env: Dict[str, str]) -> Dict[str, str]:
         bad = sorted(k for k in env if not _ALLOWED_ENV.match(k) or not isinstance(env[k], str))
@@ -123,9 +125,25 @@ class NodeAgent:
             if p is not None and p.running:
                 self.agent.kill(p, int(cmd.get("sig", signal.SIGKILL)))
 
+    def _try_link(self) -> None:
+        """Open the TCP link to the controller (:mod:`pitstop.launch.link`) once its address is
+        published; one attempt. Without it the heartbeat and the probe stand alone."""
+        from pitstop.launch import link
+
+        where = self.ch.read(keys.NODE_LINK, protocol.NODE_LINK)
+        if where is None:
+            return
+        self.link_tried = True
+        try:
+            self.link = link.connect(where["host"], where["port"], self.node, self.token)
+        except (OSError, ValueError) as exc:
+            log.warning("[node %d] no link to the controller at %s:%s: %s", self.node, where["host"], where["port"], exc)
+
     def run(self) -> int:
         self.ch.put(keys.node(self.node, "hello"), {"node": self.node, "host": socket.gethostname(), "addr": self.addr,
                                                    "nproc": self.nproc, "pid": os.getpid()})
+        from pitstop.launch import link
+
         last_beat = 0.0
         try:
             while True:
@@ -136,6 +154,8 @@ class NodeAgent:
                         break
                     self.next_cmd += 1
                     self._command(k, cmd)
+                if not self.link_tried:
+                    self._try_link()
                 for p in self.agent.poll():
                     self.ch.put(keys.node_event(self.node, p.name, "exit"), {"pid": p.pid, "exit": p.exit})
                 probe = self.ch.read(keys.node(self.node, "probe"), protocol.HEARTBEAT)
@@ -149,6 +169,8 @@ class NodeAgent:
                     last_beat = time.monotonic()
                 if self.ch.read(keys.DONE, protocol.FLAG) is not None:
                     log.info("[node %d] the job is over", self.node)
+                    link.leave(self.link)
+                    self.link = None
                     return 0
                 time.sleep(0.02)
         except (RuntimeError, OSError) as exc:  # the store went away: the head is gone
@@ -156,6 +178,8 @@ class NodeAgent:
                         str(exc).splitlines()[0])
             return 1
         finally:
+            if self.link is not None:  # not a clean leave: the controller sees the close (the store is gone anyway)
+                self.link.close()
             self.agent.close()
 
 

@@ -21,6 +21,10 @@ the probe unanswered for ``probe_s`` is lost; so is one whose agent stays silent
 
 A live agent answers, so a suspicion does not take a healthy machine; an old pong
 (replayed) carries an older ``n`` and answers nothing.
+
+Fastest of all: each agent holds a TCP link to the controller (:mod:`pitstop.launch.link`).
+When the agent dies with its machine's processes, the kernel closes it, and the machine is
+lost on the controller's next poll, before any stayer has reported anything.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from pitstop import protocol
+from pitstop.launch.link import LinkServer
 from pitstop.protocol import Channel
 from pitstop.runtime import keys
 
@@ -74,7 +79,8 @@ class RemoteAgents:
     def __init__(self, ch: Channel, run_dir: Path, nodes: int, heartbeat_timeout_s: float,
                  on_node_lost: Optional[Callable[[int, float], None]] = None, poll_s: float = 0.05,
                  join_timeout_s: float = 600.0, confirm_s: Optional[float] = None,
-                 probe_s: Optional[float] = None) -> None:
+                 probe_s: Optional[float] = None, link_host: Optional[str] = None,
+                 on_refused: Optional[Callable[[str, str], None]] = None) -> None:
         self.ch = ch
         self.run_dir = Path(run_dir)
         self.timeout = heartbeat_timeout_s
@@ -93,6 +99,11 @@ class RemoteAgents:
         """A machine whose agent has not said hello by then never joined: its processes are lost."""
         self._started = time.monotonic()
         self._last_poll = 0.0
+        self.links: Optional[LinkServer] = None
+        """Each agent's TCP link (:mod:`pitstop.launch.link`): a machine whose agent dies is lost at once."""
+        if link_host is not None:
+            self.links = LinkServer(link_host, ch.token, on_refused)
+            ch.put(keys.NODE_LINK, {"host": link_host, "port": self.links.port})
 
     # ------------------------------------------------------------------ commands
     def _send(self, node: int, body: dict) -> None:
@@ -151,6 +162,11 @@ class RemoteAgents:
         self._last_poll = now
         timeout = self._timeout(now)
         out: List[RemoteProc] = []
+        if self.links is not None:
+            for k, cause in self.links.poll():
+                st = self.nodes.get(k)
+                if st is not None and st.hello is not None and not st.lost:
+                    self._lose(k, cause, now - st.last_beat, out)
         for k, st in self.nodes.items():
             if st.lost:
                 continue
@@ -180,20 +196,13 @@ class RemoteAgents:
             elif n > st.beats:
                 st.beats, st.last_beat = n, now
             elif now - st.last_beat > timeout or (st.probe_n and now - st.probe_sent > self.probe_s):
-                st.lost = True
                 silent = now - st.last_beat
                 if now - st.last_beat > timeout:
-                    st.cause = f"its agent was silent for {silent:.1f}s" + (
+                    cause = f"its agent was silent for {silent:.1f}s" + (
                         " after a reported failure" if timeout < self.timeout else "")
                 else:
-                    st.cause = f"its agent left probe {st.probe_n} unanswered for {now - st.probe_sent:.2f}s"
-                log.warning("machine %d lost: %s", k, st.cause)
-                if self.on_node_lost is not None:
-                    self.on_node_lost(k, silent)
-                for p in self.procs.values():
-                    if p.node == k and p.running:
-                        p.exit = f"machine {k} lost"
-                        out.append(p)
+                    cause = f"its agent left probe {st.probe_n} unanswered for {now - st.probe_sent:.2f}s"
+                self._lose(k, cause, silent, out)
         for p in self.procs.values():
             if not p.running:
                 continue
@@ -206,6 +215,18 @@ class RemoteAgents:
                 p.exit = ex["exit"]
                 out.append(p)
         return out
+
+    def _lose(self, k: int, cause: str, silent: float, out: List[RemoteProc]) -> None:
+        """Machine ``k`` is lost: every process on it has exited, reported at once."""
+        st = self.nodes[k]
+        st.lost, st.cause = True, cause
+        log.warning("machine %d lost: %s", k, cause)
+        if self.on_node_lost is not None:
+            self.on_node_lost(k, silent)
+        for p in self.procs.values():
+            if p.node == k and p.running:
+                p.exit = f"machine {k} lost"
+                out.append(p)
 
     # ------------------------------------------------------------------ logs (a shared file system, or nothing)
     def log_paths(self, p: RemoteProc) -> Dict[str, str]:
@@ -227,4 +248,6 @@ class RemoteAgents:
         return "\n".join(lines)
 
     def close(self) -> None:
-        """Nothing to do here: the agents end their processes when the controller sets ``ctl/done``."""
+        """The agents end their processes when the controller sets ``ctl/done``; the links close."""
+        if self.links is not None:
+            self.links.close()
