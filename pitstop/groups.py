@@ -327,9 +327,10 @@ class GroupRegistry:
                 entries[kind] = self._build_comm(kind, ranks, gen, None, tasks)
                 self._deferred.append(tasks)
                 built.append(kind)
-        elif concurrent and len(todo) > 1:
+        elif concurrent:
             made = _concurrently([(lambda k=kind, r=ranks: self._on_own_connection(k, r, gen)) for kind, ranks in todo],
-                                 f"r{self.rank} g{gen}", self._destroy_entry)
+                                 f"r{self.rank} g{gen}", self._destroy_entry) if len(todo) > 1 else \
+                [self._on_own_connection(k, r, gen) for k, r in todo]
             for (kind, _), e in zip(todo, made):
                 entries[kind] = e
                 built.append(kind)
@@ -425,7 +426,7 @@ class GroupRegistry:
         # training thread may keep using them while this runs
         view = {k: v for k, v in self._entries.items() if k not in kinds}
         try:
-            self._build_kinds(kinds, gen, view, _own_connection(self.store), concurrent=True)
+            self._build_kinds(kinds, gen, view, concurrent=True)  # each over a pooled connection of its own
         except Exception:
             for k in kinds:
                 if k in view:

@@ -82,6 +82,10 @@ def test_a_joiners_deferred_groups_exist_at_once_and_talk_after_attach(job, tmp_
     assert j["open_before_attach"] and "still being built" in j["open_before_attach"], j
     assert j["same_object"] is True, j
     for r in res:
-        assert r["generation"] == 1, r
-        assert r["dp_sum"] == (1.0 + 3.0 if r["rank"] % 2 == 0 else 2.0 + 4.0), r
+        assert r["generation"] == 1 and r["generation_2"] == 2, r
+        assert r["dp_sum"] == r["dp_sum_2"] == (1.0 + 3.0 if r["rank"] % 2 == 0 else 2.0 + 4.0), r
         assert r["tp_sum"] == (1.0 + 2.0 if r["rank"] < 2 else 3.0 + 4.0), r
+    # a stayer's rendezvous connections are lent again at the next replacement, not opened anew
+    for r in res[:3]:
+        assert r["pool_after_2"] == r["pool_after_1"], r
+    assert res[1]["pool_after_1"] >= 1 and res[2]["pool_after_1"] >= 1, res  # ranks 1, 2 rebuilt groups with 3

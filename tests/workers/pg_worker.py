@@ -121,6 +121,24 @@ def deferred_joiner(out_dir):
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t, group=reg.group("tp"))
     res["tp_sum"] = t.item()
+    # a second replacement of role 3: the stayers' rendezvous reuse the connections of the first
+    res["pool_after_1"] = len(reg._pool)
+    if rank == world - 1:
+        FENCE.local = True
+        reg2 = GroupRegistry(layout, store, generation=2, timeout=T, deferred=True)
+        reg2.build()
+        store.set("pgtest/joiner-built-2", "1")
+        reg2.attach()
+        FENCE.local = False
+        reg.destroy()
+        reg = reg2
+    else:
+        store.wait(["pgtest/joiner-built-2"], timedelta(seconds=30))
+        reg.commit(reg.prepare(world - 1))
+        res["pool_after_2"] = len(reg._pool)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=reg.group("dp"))
+    res["dp_sum_2"], res["generation_2"] = t.item(), reg.generation
     with open(os.path.join(out_dir, f"result_{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.barrier()
