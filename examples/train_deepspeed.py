@@ -96,7 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                                          "plays rank 0 appends, a joiner included)")
     p.add_argument("--checksum", action="store_true", help="print every rank's parameter checksum at the end")
     p.add_argument("--track-memory", action="store_true",
-                   help="count tensor memory from the start (pitstop.emulation.memory) and print its peak with "
+                   help="count tensor memory from the start (pitstop.memory) and print its peak with "
                         "--checksum: what `pitstop emulate` reports for a real rank")
     p.add_argument("--step-delay", type=float, default=0.0, metavar="S",
                    help="sleep S seconds per step: a slower job, so a demo or test can drain it mid-run")
@@ -306,7 +306,7 @@ def checksum(engine) -> str:
 
 
 def _peak_tensor_bytes():
-    from pitstop.emulation import memory
+    from pitstop import memory
 
     return memory.peak_bytes()
 
@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("train_deepspeed.py: error: --zero-stage 3 is not supported by pitstop yet "
                          "(ZeRO stages 0, 1, 2); run it with --groups deepspeed for plain DeepSpeed")
     if args.track_memory:
-        from pitstop.emulation import memory
+        from pitstop import memory
 
         memory.start()
     engine, data_fn = setup(args)

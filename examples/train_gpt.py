@@ -73,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checksum", action="store_true", help="print a parameter checksum per rank")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--track-memory", action="store_true",
-                   help="count tensor memory from the start (pitstop.emulation.memory) and print its peak "
+                   help="count tensor memory from the start (pitstop.memory) and print its peak "
                         "with --checksum: what `pitstop emulate` reports for a real rank (the tracker collects garbage at boundaries)")
     p.add_argument("--manual-gc", action="store_true",
                    help="no automatic Python GC; collect at every iteration boundary (Megatron's --manual-gc): "
@@ -443,7 +443,7 @@ def param_checksum(model: list) -> str:
 
 
 def _peak_tensor_bytes():
-    from pitstop.emulation import memory
+    from pitstop import memory
 
     return memory.peak_bytes()
 
@@ -516,7 +516,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
     if manual_gc:
         gc.disable()
     if args.track_memory:
-        from pitstop.emulation import memory
+        from pitstop import memory
 
         memory.start()
     init_distributed(args)

@@ -20,9 +20,7 @@ Two Python process groups live here:
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -33,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from pitstop.errors import GroupError
+from pitstop.memory import untracked
 from pitstop.protocol import Refused, open_raw, seal_raw
 
 WORLD_BACKEND = "pitstop_world"
@@ -40,7 +39,7 @@ WORLD_BACKEND = "pitstop_world"
 #: A hook that sees every operation of every guarded group and of the world group:
 #: ``TAP(kind, what, args)`` is called as an operation is issued and may return a
 #: callable, called once the operation has completed. The warmup recorder
-#: (:mod:`pitstop.emulation.record`) sets it for one iteration; otherwise it is None
+#: (:mod:`pitstop.record`) sets it for one iteration; otherwise it is None
 #: and costs one attribute test per operation.
 TAP: Optional[Callable[[str, str, tuple], Optional[Callable[[], None]]]] = None
 
@@ -49,18 +48,11 @@ def _tapped(kind: str, what: str, args: tuple) -> Optional[Callable[[], None]]:
     return TAP(kind, what, args) if TAP is not None else None
 
 
-def _scratch():
-    """What a Python group allocates to do its work is the backend's, not the program's:
-    hidden from the tensor-memory tracker if one runs (looked up, not imported: this core
-    module does not depend on :mod:`pitstop.emulation`)."""
-    mem = sys.modules.get("pitstop.emulation.memory")
-    return mem.untracked() if mem is not None else contextlib.nullcontext()
-
-
 def _backend_work(method):
-    """Run a Python group's operation as backend work (see :func:`_scratch`)."""
+    """Run a Python group's operation as backend work: what it allocates to do its work is
+    the backend's, not the program's, so the tensor-memory tracker (if one runs) skips it."""
     def wrapped(self, *args, **kwargs):
-        with _scratch():
+        with untracked():
             return method(self, *args, **kwargs)
 
     wrapped.__name__ = method.__name__

@@ -2,11 +2,12 @@
 
 Every ``import`` under ``pitstop/`` is parsed, the lazy ones inside functions included,
 and each must point to the same layer or a lower one; no set of modules may import
-each other in a circle. The layers, from the bottom up::
+each other in a circle, and neither may pitstop's parts (``pitstop.runtime``,
+``pitstop.emulation``, ...) taken as wholes. The layers, from the bottom up::
 
     0  data           errors, layout, roster, plan, protocol (messages, sealing), patches
-    1  communication  store, pg, groups, the virtual backend and its oracles' plumbing
-                      (emulation.virtual, emulation.memory, emulation.record)
+    1  communication  store, pg, groups, the virtual backend (virtual), the tensor-memory
+                      tracker (memory), the warmup's records and replay oracle (record)
     2  runtime        the resilience runtime: worker, session, state, sandbox, ...
     3  emulation      the emulation pipeline (the rest of pitstop.emulation)
     4  integrations   Megatron-Core, DeepSpeed adapters
@@ -32,7 +33,7 @@ LAYERS: Dict[str, int] = {
     "pitstop.errors": 0, "pitstop.layout": 0, "pitstop.roster": 0, "pitstop.plan": 0, "pitstop.protocol": 0,
     "pitstop.patches": 0,
     "pitstop.store": 1, "pitstop.pg": 1, "pitstop.groups": 1,
-    "pitstop.emulation.virtual": 1, "pitstop.emulation.memory": 1, "pitstop.emulation.record": 1,
+    "pitstop.virtual": 1, "pitstop.memory": 1, "pitstop.record": 1,
     "pitstop.runtime": 2,
     "pitstop.emulation": 3,
     "pitstop.integrations": 4,
@@ -89,7 +90,7 @@ def test_the_parser_sees_lazy_imports_inside_functions():
     this test forbids were all lazy ones)."""
     found = imports()["pitstop.launch.cli"]
     assert any(dep.startswith("pitstop.launch.") for dep, _ in found), sorted(found)[:10]
-    assert layer_of("pitstop.emulation.record") == 1 and layer_of("pitstop.emulation.hybrid") == 3
+    assert layer_of("pitstop.record") == 1 and layer_of("pitstop.emulation.hybrid") == 3
     assert layer_of("pitstop.runtime.session") == 2 and layer_of("pitstop.launch.bench_recovery") == 5
 
 
@@ -99,15 +100,15 @@ def test_no_import_points_to_a_higher_layer():
     assert not upward, "imports that point upward:\n  " + "\n  ".join(upward)
 
 
-def test_no_modules_import_each_other_in_a_circle():
-    graph = {m: {d for d, _ in deps} for m, deps in imports().items()}
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
     index: Dict[str, int] = {}
     low: Dict[str, int] = {}
     stack: List[str] = []
     on: Set[str] = set()
-    cycles: List[List[str]] = []
+    out: List[List[str]] = []
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
+    def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
@@ -126,9 +127,27 @@ def test_no_modules_import_each_other_in_a_circle():
                 if w == v:
                     break
             if len(comp) > 1:
-                cycles.append(sorted(comp))
+                out.append(sorted(comp))
 
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    assert not cycles, "modules that import each other in a circle:\n  " + "\n  ".join(map(str, cycles))
+    return out
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    found = cycles({m: {d for d, _ in deps} for m, deps in imports().items()})
+    assert not found, "modules that import each other in a circle:\n  " + "\n  ".join(map(str, found))
+
+
+def part(mod: str) -> str:
+    """``pitstop.runtime.session`` -> ``pitstop.runtime``; a top-level module is its own part."""
+    return ".".join(mod.split(".")[:2])
+
+
+def test_no_parts_of_pitstop_import_each_other_in_a_circle():
+    graph: Dict[str, Set[str]] = defaultdict(set)
+    for mod, deps in imports().items():
+        graph[part(mod)] |= {part(d) for d, _ in deps if part(d) != part(mod) and d != "pitstop"}
+    found = cycles(dict(graph))
+    assert not found, "parts that import each other in a circle:\n  " + "\n  ".join(map(str, found))

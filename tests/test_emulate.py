@@ -196,7 +196,7 @@ def test_emulate_gpt_at_world_8192_with_two_real_ranks(tmp_path):
 def test_peak_tracker_counts_live_storages_exactly():
     import gc
 
-    from pitstop.emulation.memory import PeakTracker
+    from pitstop.memory import PeakTracker
 
     tr = PeakTracker()
     with tr:
@@ -220,7 +220,7 @@ def test_peak_tracker_follows_a_storage_swapped_under_a_live_tensor():
     """``p.data = other`` frees the old storage while the tensor lives on (Megatron does
     this to its parameters): the tracker must see the old storage go, and a reused
     address must not be mistaken for it."""
-    from pitstop.emulation.memory import PeakTracker
+    from pitstop.memory import PeakTracker
 
     tr = PeakTracker()
     with tr:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed import distributed_c10d as c10d
 
-from pitstop.emulation import virtual
+from pitstop import virtual
 from pitstop.emulation.hybrid import (
     HybridError, HybridOracle, MirrorContributions, RecordedContributions, members,
 )

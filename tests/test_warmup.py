@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from pitstop import pg as pgmod
-from pitstop.emulation import virtual
-from pitstop.emulation.record import (
+from pitstop import virtual
+from pitstop.record import (
     Record, Recorder, ReplayOracle, local_inputs, same_bits, recorder_class, representative, stage_class, stage_classes,
 )
 from pitstop.errors import RecordMismatchError
@@ -133,7 +133,7 @@ def test_replay_refuses_a_record_of_another_model(tmp_path):
 # --------------------------------------------------------------------------- the backend and the sandbox
 def _world_record(role: int, world: int, values) -> Record:
     rec = Record("only", role, "test", world)
-    from pitstop.emulation.record import Entry
+    from pitstop.record import Entry
 
     rec.entries["world"] = [Entry("allreduce", [(2,)], ["float32"], [torch.tensor(values)]),
                             Entry("barrier", [], [])]
@@ -176,7 +176,7 @@ def test_a_mismatching_record_is_refused_not_raised():
 
 def test_virtual_groups_need_an_oracle():
     virtual.register()
-    with pytest.raises(Exception, match="outside pitstop.emulation.virtual.serving"):
+    with pytest.raises(Exception, match="outside pitstop.virtual.serving"):
         dist.init_process_group(virtual.VIRTUAL_BACKEND, store=dist.HashStore(), rank=0, world_size=2)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """The hybrid oracle: real members exchange real data, virtual members' data is synthesised.
 
 In emulation a few processes (the *real ranks*) run the real program in a world of N;
-every other rank is virtual. Every group is a :class:`~pitstop.emulation.virtual.VirtualGroup`
+every other rank is virtual. Every group is a :class:`~pitstop.virtual.VirtualGroup`
 answered by a :class:`HybridOracle`. For each operation the oracle:
 
 * exchanges the real members' inputs over a real gloo communicator of just those

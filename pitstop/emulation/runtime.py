@@ -11,7 +11,7 @@ exchange real data, virtual members' contributions are synthesised). On top of i
   rank's timeline to ``<out>/traces/r<rank>.json`` at every iteration boundary;
 * phase ``paced``: a :class:`~pitstop.emulation.tracer.PacingOracle` makes each
   operation return at its replayed end time (``<out>/schedules/r<rank>.json``);
-* phase ``memory``: the tensor-memory tracker (:mod:`pitstop.emulation.memory`) counts
+* phase ``memory``: the tensor-memory tracker (:mod:`pitstop.memory`) counts
   every allocation of the program from before the model exists. A phase of its own:
   the tracker's cost must not reach the traced compute times or the paced ones.
 
@@ -96,14 +96,14 @@ def join(cfg: EmulationConfig, rank: int) -> None:
     global ACTIVE
     import torch.distributed as dist
 
-    from pitstop.emulation import virtual
+    from pitstop import virtual
     from pitstop.emulation.hybrid import HybridOracle, MirrorContributions
     from pitstop.layout import ParallelLayout
     from pitstop.store import connect_from_env
 
     t0, rss0 = time.perf_counter(), _rss_bytes()
     if cfg.phase == "memory":
-        from pitstop.emulation import memory
+        from pitstop import memory
 
         memory.start()  # before the model exists: every tensor of the program is counted
     layout = ParallelLayout(cfg.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
@@ -170,7 +170,7 @@ def boundary(iter_s: float) -> None:
     if a.cfg.phase == "trace":
         _write(out / "traces" / f"r{a.rank}.json", a.oracle.trace(source=f"pitstop emulate, rank {a.rank}").to_json())
         _write(out / "traces" / f"r{a.rank}.measured.json", {"iterations": a.oracle.measured[1:]})
-    from pitstop.emulation import memory
+    from pitstop import memory
 
     metrics = {"rank": a.rank, "phase": a.cfg.phase, "iter_s": [round(x, 6) for x in a.iter_s],
                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "setup_s": round(a.setup_s, 4),

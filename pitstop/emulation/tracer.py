@@ -1,7 +1,7 @@
 """Trace a real rank's iterations, and pace its virtual collectives to a replay.
 
 Both wrap the oracle that answers the rank's virtual groups (see
-:mod:`pitstop.emulation.virtual`), so they see every operation at the moment it
+:mod:`pitstop.virtual`), so they see every operation at the moment it
 is issued, whichever library issued it::
 
     real rank      fwd ... | allreduce tp | ... bwd ... | send pp+1 | ... optimizer | boundary
@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 
 from pitstop.emulation.graph import Comm, Compute, Op, RoleClass, Trace, stage_kind
-from pitstop.emulation.virtual import tensors_of
+from pitstop.virtual import tensors_of
 from pitstop.errors import EmulationError
 
 #: ProcessGroup method -> the execution graph's op name.

@@ -141,7 +141,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
         backend = None
         if emulation.active():
-            from pitstop.emulation.virtual import VIRTUAL_BACKEND
+            from pitstop.virtual import VIRTUAL_BACKEND
 
             emulation.check_layout(layout)
             backend = VIRTUAL_BACKEND

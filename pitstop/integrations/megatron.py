@@ -273,7 +273,7 @@ def initialize_model_parallel(
         emulation.check_layout(layout)
     if sandbox.active() is not None or emulation.active():
         # a standby's warmup (answered from the record) or an emulated world: every group is virtual
-        from pitstop.emulation.virtual import VIRTUAL_BACKEND
+        from pitstop.virtual import VIRTUAL_BACKEND
 
         backend = VIRTUAL_BACKEND
     reg = GroupRegistry(

@@ -33,9 +33,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
-from pitstop.emulation.record import Record, ReplayOracle
+from pitstop.record import Record, ReplayOracle
 from pitstop.errors import RecordMismatchError
-from pitstop.emulation.virtual import VIRTUAL_BACKEND, register, serving
+from pitstop.virtual import VIRTUAL_BACKEND, register, serving
 
 log = logging.getLogger("pitstop.sandbox")
 
@@ -234,7 +234,7 @@ def maybe_start_recording(layout, rank: int, m=None) -> bool:
     operations (Megatron's tied-embedding all-reduce, the optimizer's world
     all-gather) are in the record too: the sandbox repeats the whole set-up.
     """
-    from pitstop.emulation.record import Recorder, recorder_class
+    from pitstop.record import Recorder, recorder_class
     from pitstop.runtime import keys
 
     # ``m``: this process's :class:`~pitstop.runtime.worker.Membership` (the caller has it;
@@ -274,7 +274,7 @@ class paused:
 def finish_recording(ch, keep: bool, layout=None) -> Optional[Dict[str, Any]]:
     """Stop recording; with ``keep`` (the first step committed) write the record to
     ``<run-dir>/warmup/<class>.pt`` and publish it to standbys. Returns its metadata."""
-    from pitstop.emulation.record import stage_classes
+    from pitstop.record import stage_classes
     from pitstop.runtime import keys
 
     rec = _Recording.recorder

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from pitstop import pg as pgmod
 from pitstop import protocol
-from pitstop.emulation import memory
+from pitstop import memory
 from pitstop.errors import PitstopError, RecoveryError
 from pitstop.plan import plan_replace
 from pitstop.runtime import keys, sandbox, state, worker

@@ -3,7 +3,7 @@
 Every operation of a :class:`VirtualGroup` is answered by an *oracle*, in the calling
 thread, with nothing sent anywhere. The oracle decides what the peers' contributions
 were: the warmup sandbox replays the values a real rank recorded
-(:class:`pitstop.emulation.record.ReplayOracle`); emulation synthesises them. The
+(:class:`pitstop.record.ReplayOracle`); emulation synthesises them. The
 group plugs in behind torch.distributed's backend interface, so Megatron, DeepSpeed
 and pitstop's own registry create it exactly as they create a gloo group::
 
@@ -22,7 +22,7 @@ from typing import Iterator, List, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from pitstop.emulation.memory import untracked
+from pitstop.memory import untracked
 from pitstop.errors import GroupError
 from pitstop.pg import DoneWork, _outputs
 
@@ -134,7 +134,7 @@ def _create(dist_opts, backend_opts) -> VirtualGroup:  # noqa: ARG001
     if _ORACLE is None:
         raise GroupError(
             f"a {VIRTUAL_BACKEND} group ({dist_opts.group_id!r}) was created outside "
-            "pitstop.emulation.virtual.serving(oracle): nothing would answer its operations"
+            "pitstop.virtual.serving(oracle): nothing would answer its operations"
         )
     ranks = list(dist_opts.global_ranks_in_group)
     name = str(dist_opts.group_id)

@@ -48,7 +48,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from pitstop import pg as pgmod
-from pitstop.emulation.virtual import tensors_of
+from pitstop.virtual import tensors_of
 from pitstop.errors import RecordMismatchError
 from pitstop.layout import ParallelLayout
 
