@@ -259,7 +259,7 @@ class GroupRegistry:
             # each rendezvous goes over a connection of its own: the main thread's store
             # client stays free (a c10d client serialises every call behind a blocking wait)
             self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation,
-                              self._entries)
+                              self._entries, deferred=self._deferred)
             self._builder = threading.Thread(target=self._run_deferred, name=f"pitstop-groups-g{self.generation}",
                                              daemon=True)
             self._builder.start()
@@ -302,7 +302,7 @@ class GroupRegistry:
         return self.attach_wait_s
 
     def _build_kinds(self, kinds, gen: int, entries: Dict[str, Entry], base: Optional[dist.Store] = None,
-                     concurrent: bool = False) -> List[str]:
+                     concurrent: bool = False, deferred: Optional[List] = None) -> List[str]:
         """Build ``kinds`` into ``entries`` (which also supplies the parts of composites),
         through ``base`` (default: the registry's store).
 
@@ -310,8 +310,8 @@ class GroupRegistry:
         store connection of its own (a c10d client serialises its calls, so two
         rendezvous on one connection could each wait behind the other). Each group's
         rendezvous involves only its members, so no order across ranks is needed and a
-        delta of k groups costs about one rendezvous instead of k. A deferred registry
-        (a joiner) queues one such task per group instead (:meth:`build`)."""
+        delta of k groups costs about one rendezvous instead of k. ``deferred`` (a joiner's
+        :meth:`build`) gets one such task per group instead, to run in the background."""
         built = []
         todo = []
         for kind in comm_kinds(self.layout):
@@ -321,11 +321,11 @@ class GroupRegistry:
             if ranks is None:
                 continue
             todo.append((kind, tuple(ranks)))
-        if self._deferred is not None and not self._entries and entries is self._entries:
+        if deferred is not None:
             for kind, ranks in todo:
                 tasks: List = []
                 entries[kind] = self._build_comm(kind, ranks, gen, None, tasks)
-                self._deferred.append(tasks)
+                deferred.append(tasks)
                 built.append(kind)
         elif concurrent:
             made = _concurrently([(lambda k=kind, r=ranks: self._on_own_connection(k, r, gen)) for kind, ranks in todo],

@@ -4,7 +4,7 @@
 
     agent k    --connect-->  the controller's link listener (address sealed under ctl/node/link)
                <-- nonce --
-               -- "k HMAC(token, pitstop-link/k/nonce)" -->        verified: machine k's link
+               -- "k seal_raw(token, link/k, nonce)" -->        verified: machine k's link
     the agent SIGKILLed with its process group (a machine failure):
                the kernel closes its sockets -> EOF at the controller -> machine k lost, now
     the agent leaving at the job's end sends "bye" first: not a loss
@@ -18,14 +18,14 @@ so it cannot take a machine down by closing.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import secrets
 import select
 import socket
 import time
 from typing import Callable, Dict, List, Optional, Tuple
+
+from pitstop.protocol import Refused, open_raw, seal_raw
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,9 @@ _MAX_LINE = 256
 BYE = b"bye\n"
 
 
-def _mac(token: bytes, node: int, nonce: str) -> str:
-    return hmac.new(token, f"pitstop-link/{node}/{nonce}".encode(), hashlib.sha256).hexdigest()
+def _key(node: int) -> str:
+    """What a link's hello is sealed for (:func:`pitstop.protocol.seal_raw`): one machine's nonce."""
+    return f"link/{node}"
 
 
 class LinkServer:
@@ -59,6 +60,16 @@ class LinkServer:
             peer = "?"
         self.on_refused(f"link connection from {peer}", why)
         s.close()
+
+    def _verify(self, node: Optional[int], line: List[bytes], nonce: str) -> str:
+        """Why the hello ``line`` does not prove machine ``node``'s link ('' if it does)."""
+        if node is None:
+            return "expected '<machine> <sealed nonce>'"
+        try:
+            got = open_raw(self.token, _key(node), line[1], _MAX_LINE)
+        except Refused as exc:
+            return exc.reason
+        return "" if got == nonce.encode() else "sealed for another nonce (a replay)"
 
     def poll(self) -> List[Tuple[int, str]]:
         """Accept and verify new connections; return ``(machine, cause)`` for each link that closed."""
@@ -98,10 +109,11 @@ class LinkServer:
                     self.pending[s] = (nonce, t0, buf)
                 continue
             del self.pending[s]
-            line = buf.split(b"\n", 1)[0].decode(errors="replace").split()
+            line = buf.split(b"\n", 1)[0].split()
             node = int(line[0]) if len(line) == 2 and line[0].isdigit() else None
-            if node is None or not hmac.compare_digest(line[1], _mac(self.token, node, nonce)):
-                self._refuse(s, "its hello does not prove the job token")
+            why = self._verify(node, line, nonce)
+            if why:
+                self._refuse(s, f"its hello does not prove the job token ({why})")
             elif node in self.links:
                 self._refuse(s, f"machine {node} has a link already")
             else:
@@ -147,8 +159,8 @@ def connect(host: str, port: int, node: int, token, timeout_s: float = 10.0) -> 
             if not data or len(buf) > _MAX_LINE:
                 raise ValueError(f"the controller's link at {host}:{port} sent no nonce")
             buf += data
-        nonce = buf.split(b"\n", 1)[0].decode(errors="replace")
-        s.sendall(f"{node} {_mac(tok, node, nonce)}\n".encode())
+        nonce = buf.split(b"\n", 1)[0]
+        s.sendall(f"{node} ".encode() + seal_raw(tok, _key(node), nonce) + b"\n")
     except BaseException:
         s.close()
         raise
