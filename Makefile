@@ -4,7 +4,17 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pitstop-installed
 
-.PHONY: test demo bench venv clean
+.PHONY: test demo bench venv clean etcd
+
+# Debian's etcd-server (3.4) for the etcd control-plane tests; the tests start it themselves
+ETCD := $(shell command -v etcd 2>/dev/null)
+etcd:
+ifeq ($(ETCD),)
+	@if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null || \
+	  (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null); \
+	else sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null; fi
+	@command -v etcd >/dev/null
+endif
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) etcd
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

@@ -53,16 +53,68 @@ def parse_endpoint(text: str) -> Tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def connect_from_env(timeout: timedelta = timedelta(minutes=5)) -> dist.TCPStore:
+ETCD_SCHEME = "etcd://"
+
+
+def is_etcd(spec: str) -> bool:
+    return spec.startswith(ETCD_SCHEME)
+
+
+def parse_spec(spec: str) -> Tuple[str, str, int, str]:
+    """``(backend, host, port, prefix)`` of a store address: ``HOST:PORT`` (a ``TCPStore``)
+    or ``etcd://HOST:PORT/PREFIX/`` (:class:`pitstop.etcd_store.EtcdStore`)."""
+    if is_etcd(spec):
+        rest = spec[len(ETCD_SCHEME):]
+        hostport, slash, path = rest.partition("/")
+        if not slash or not path:
+            raise PitstopError(f"store address {spec!r}: expected etcd://HOST:PORT/PREFIX/")
+        host, port = parse_endpoint(hostport)
+        return "etcd", host, port, "/" + path.strip("/") + "/"
+    host, port = parse_endpoint(spec)
+    return "tcp", host, port, ""
+
+
+def etcd_spec(endpoint: str, job: str) -> str:
+    """The address of job ``job``'s keys in the etcd at ``endpoint`` (``HOST:PORT``)."""
+    host, port = parse_endpoint(endpoint)
+    if port == 0:
+        raise PitstopError(f"--rdzv-endpoint {endpoint!r}: etcd runs on a port of its own, expected HOST:PORT "
+                           "with a port in 1..65535 (etcd's default is 2379)")
+    return f"{ETCD_SCHEME}{host}:{port}/pitstop/{job}/"
+
+
+def connect(spec: str, timeout: timedelta = timedelta(minutes=5)) -> dist.Store:
+    """A client of the control store at ``spec`` (see :func:`parse_spec`)."""
+    backend, host, port, prefix = parse_spec(spec)
+    if backend == "etcd":
+        from pitstop.etcd_store import EtcdStore
+
+        return EtcdStore(host, port, prefix, timeout=timeout)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def reachable(spec: str, timeout_s: float = 2.0) -> bool:
+    """Whether the store at ``spec`` still answers (a fresh client, so a broken connection
+    of this process does not answer for the server)."""
+    try:
+        st = connect(spec, timeout=timedelta(seconds=timeout_s))
+        if parse_spec(spec)[0] == "etcd":
+            return st.reachable()
+    except Exception:  # noqa: BLE001 - refused, reset or timed out: gone either way
+        return False
+    return True
+
+
+def connect_from_env(timeout: timedelta = timedelta(minutes=5)) -> dist.Store:
     """Connect to the control store named by the environment.
 
-    ``PITSTOP_STORE=HOST:PORT`` (set by ``pitstop`` launchers) wins; otherwise
-    ``MASTER_ADDR``/``MASTER_PORT`` as torchrun sets them, with rank 0 hosting
-    unless ``TORCHELASTIC_USE_AGENT_STORE`` says the agent does.
+    ``PITSTOP_STORE`` (set by ``pitstop`` launchers: ``HOST:PORT``, or
+    ``etcd://HOST:PORT/PREFIX/``) wins; otherwise ``MASTER_ADDR``/``MASTER_PORT`` as
+    torchrun sets them, with rank 0 hosting unless ``TORCHELASTIC_USE_AGENT_STORE``
+    says the agent does.
     """
     if os.environ.get(ENV_STORE):
-        host, port = parse_endpoint(os.environ[ENV_STORE])
-        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        return connect(os.environ[ENV_STORE], timeout)
     try:
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         rank = int(os.environ["RANK"])

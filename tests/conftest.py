@@ -81,3 +81,14 @@ def run_checksums(run_dir, argv, world: int, timeout: float = 400.0) -> dict:
     from pitstop.launch.local import run_plain
 
     return run_plain(run_dir, argv, world, timeout)
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(tmp_path_factory):
+    """One real etcd (Debian's etcd-server, installed by the Makefile) on free loopback
+    ports for the whole session; each test uses keys under its own job prefix."""
+    from pitstop.launch.etcd_server import EtcdServer
+
+    server = EtcdServer(tmp_path_factory.mktemp("etcd")).start()
+    yield server.endpoint
+    server.stop()

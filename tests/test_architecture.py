@@ -32,7 +32,7 @@ LAYERS: Dict[str, int] = {
     "pitstop": 0,
     "pitstop.errors": 0, "pitstop.layout": 0, "pitstop.roster": 0, "pitstop.plan": 0, "pitstop.protocol": 0,
     "pitstop.patches": 0,
-    "pitstop.store": 1, "pitstop.pg": 1, "pitstop.groups": 1,
+    "pitstop.store": 1, "pitstop.etcd_store": 1, "pitstop.pg": 1, "pitstop.groups": 1,
     "pitstop.virtual": 1, "pitstop.memory": 1, "pitstop.record": 1,
     "pitstop.runtime": 2,
     "pitstop.emulation": 3,

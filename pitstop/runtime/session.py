@@ -577,13 +577,12 @@ class Session:
                 wrap(obj, name, lambda phase=phase: fire(phase))
 
 
-def _client() -> dist.TCPStore:
+def _client() -> dist.Store:
     import os
 
-    from pitstop.store import ENV_STORE, parse_endpoint
+    from pitstop.store import ENV_STORE, connect
 
-    host, port = parse_endpoint(os.environ[ENV_STORE])
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(minutes=5))
+    return connect(os.environ[ENV_STORE], timeout=timedelta(minutes=5))
 
 
 def _handoff_pair(gen: int, role: int, rank: int, cfg) -> dist.ProcessGroup:

@@ -27,7 +27,7 @@ from pitstop.protocol import Channel, Refused
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig
 from pitstop import store as store_mod
-from pitstop.store import ENV_STORE, connect_from_env, parse_endpoint
+from pitstop.store import ENV_STORE, connect_from_env
 
 log = logging.getLogger("pitstop.worker")
 
@@ -98,12 +98,7 @@ EXIT_CONTROLLER_LOST = 3
 def store_reachable(timeout_s: float = 2.0) -> bool:
     """Whether the job's control store still accepts a connection (a fresh client, so a
     broken connection of this process does not answer for the server)."""
-    host, port = parse_endpoint(os.environ[ENV_STORE])
-    try:
-        dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    except Exception:  # noqa: BLE001 - refused, reset or timed out: gone either way
-        return False
-    return True
+    return store_mod.reachable(os.environ[ENV_STORE], timeout_s)
 
 
 def controller_lost(who: str, exc: BaseException) -> None:
@@ -132,8 +127,7 @@ class Heartbeat:
     """
 
     def __init__(self, slot: int, interval_s: float, main: Channel) -> None:
-        host, port = parse_endpoint(os.environ[ENV_STORE])
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        self.store = store_mod.connect(os.environ[ENV_STORE], timeout=timedelta(seconds=30))
         self.channel = main.sibling(self.store)  # shares what the process owns: reasserted at every beat
         self.slot = slot
         self.beats = 0

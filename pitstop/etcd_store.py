@@ -1,0 +1,224 @@
+"""A c10d ``Store`` on etcd's v3 API: the control plane outside the controller.
+
+With ``--rdzv-backend etcd`` every key of the job lives under ``/pitstop/<job>/`` in
+an etcd cluster, so the controller's death loses nothing: training goes on (steady
+state needs no controller) and a restarted controller re-attaches from what etcd holds.
+
+The client is ``etcd3gw`` (OpenStack's, maintained; etcd's JSON gateway over HTTP, so
+no gRPC build), chosen over torch's own ``EtcdStore`` (etcd's v2 API, the unmaintained
+``python-etcd``). Measured on this machine against etcd 3.4, median of 300 calls:
+
+==============  =====================  =======================================
+operation       etcd3gw (v3)           torch EtcdStore (v2, ``--enable-v2``)
+==============  =====================  =======================================
+set             2.46 ms                1.11 ms
+get             1.59 ms                0.66 ms
+add             2.44 ms (one txn)      2.87 ms, and a random sleep of up to 100 ms
+                                       on every compare-and-swap conflict
+==============  =====================  =======================================
+
+v2 reads are faster, but v2 is off by default in etcd 3.4 and removed in 3.6, and
+torch's store has no ``compare_set`` or ``delete_key`` (pitstop's step vote is a
+compare-and-set) and sleeps on contention, which every step's arrival counter meets.
+v3 transactions give one round trip for ``compare_set`` and an uncontended ``add``.
+
+Semantics follow ``TCPStore``: ``get`` and ``wait`` block until the key exists or the
+timeout passes (:class:`torch.distributed.DistStoreError`); ``add`` and
+``compare_set`` are atomic. A blocking wait is a v3 watch from the revision after the
+read that missed, so no write between the two is lost. An unreachable etcd raises
+``RuntimeError`` (as a lost ``TCPStore`` does) and the callers' store-loss paths apply.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+
+from pitstop.errors import PitstopError
+
+log = logging.getLogger(__name__)
+
+#: c10d holds only the C++ half of a Python store: keep each one alive from Python.
+_ALIVE: list = []
+
+
+def _b64(data) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else bytes(data)).decode()
+
+
+def _unb64(text: Optional[str]) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+class EtcdUnavailable(RuntimeError):
+    """etcd did not answer (a ``RuntimeError``, as a lost ``TCPStore`` raises)."""
+
+
+class EtcdStore(dist.Store):
+    """Keys ``<prefix><key>`` in etcd at ``host:port`` (see the module docstring)."""
+
+    def __init__(self, host: str, port: int, prefix: str, timeout: timedelta = timedelta(minutes=5),
+                 request_timeout_s: float = 30.0) -> None:
+        super().__init__()  # the pybind trampoline needs it
+        try:
+            import etcd3gw
+        except ImportError:
+            raise PitstopError("--rdzv-backend etcd needs the etcd3gw client: pip install 'pitstop[etcd]'") from None
+        if not prefix.startswith("/") or not prefix.endswith("/"):
+            raise PitstopError(f"etcd key prefix {prefix!r}: expected one that starts and ends with '/'")
+        self.host, self.port, self.prefix = host, int(port), prefix
+        self._timeout = timeout
+        self._request_timeout_s = request_timeout_s
+        # "/v3/" is etcd 3.4's gateway path; naming it spares etcd3gw a discovery request
+        self._client = etcd3gw.client(host=host, port=self.port, timeout=request_timeout_s, api_path="/v3/")
+        self._lock = threading.Lock()
+        _ALIVE.append(self)
+
+    # ------------------------------------------------------------------ wire
+    def _post(self, path: str, body: dict) -> dict:
+        import requests
+        from etcd3gw import exceptions as ex
+
+        try:
+            return self._client.post(self._client.get_url(path), json=body)
+        except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, requests.RequestException) as exc:
+            raise EtcdUnavailable(f"etcd at {self.host}:{self.port} did not answer {path}: {exc}") from None
+        except ex.Etcd3Exception as exc:
+            raise EtcdUnavailable(f"etcd at {self.host}:{self.port} refused {path}: {exc}") from None
+
+    def _key(self, key: str) -> str:
+        return _b64(self.prefix + key)
+
+    def _range(self, key: str) -> Tuple[Optional[dict], int]:
+        """(the key-value or None, the store's revision at the read)."""
+        out = self._post("/kv/range", {"key": self._key(key)})
+        kvs = out.get("kvs") or []
+        return (kvs[0] if kvs else None), int(out["header"]["revision"])
+
+    def _txn(self, compare: List[dict], success: List[dict], failure: List[dict]) -> dict:
+        return self._post("/kv/txn", {"compare": compare, "success": success, "failure": failure})
+
+    @staticmethod
+    def _failure_kv(out: dict) -> Optional[dict]:
+        for resp in out.get("responses") or []:
+            kvs = (resp.get("response_range") or {}).get("kvs") or []
+            if kvs:
+                return kvs[0]
+        return None
+
+    # ------------------------------------------------------------------ c10d Store
+    def set(self, key: str, value) -> None:
+        self._post("/kv/put", {"key": self._key(key), "value": _b64(value)})
+
+    def get(self, key: str) -> bytes:
+        kv, rev = self._range(key)
+        if kv is None:
+            kv = self._watch_for(key, rev, time.monotonic() + self._timeout.total_seconds())
+        return _unb64(kv.get("value"))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        if not keys:
+            return True
+        out = self._txn([], [{"request_range": {"key": self._key(k), "count_only": True}} for k in keys], [])
+        return all(int((r.get("response_range") or {}).get("count", 0)) > 0 for r in out.get("responses") or [])
+
+    def wait(self, keys: Sequence[str], timeout: Optional[timedelta] = None) -> None:
+        deadline = time.monotonic() + (self._timeout if timeout is None else timeout).total_seconds()
+        for k in keys:
+            kv, rev = self._range(k)
+            if kv is None:
+                self._watch_for(k, rev, deadline)
+
+    def _watch_for(self, key: str, rev: int, deadline: float) -> dict:
+        """Block until ``key`` is written after revision ``rev`` (the read that missed it)."""
+        from etcd3gw import exceptions as ex
+
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(f"etcd store: timed out after {self._timeout.total_seconds():.0f}s "
+                                          f"waiting for key {key!r}")
+            try:
+                ev = self._client.watch_once(self.prefix + key, timeout=min(left, 5.0), start_revision=rev + 1)
+            except ex.WatchTimedOut:
+                kv, rev = self._range(key)  # a bounded watch: look again, so a lost stream cannot hang us
+                if kv is not None:
+                    return kv
+                continue
+            except Exception as exc:  # noqa: BLE001 - the stream broke: etcd went away
+                raise EtcdUnavailable(f"etcd at {self.host}:{self.port}: watch on {key!r} failed: {exc}") from None
+            if ev.get("type", "PUT") == "PUT":
+                kv = dict(ev["kv"])
+                kv["value"] = _b64(kv.get("value") or b"")  # etcd3gw decoded it; keep the range's encoding
+                return kv
+            kv, rev = self._range(key)  # deleted meanwhile: wait for the next write
+            if kv is not None:
+                return kv
+
+    def add(self, key: str, value: int) -> int:
+        k = self._key(key)
+        out = self._txn([{"key": k, "result": "EQUAL", "target": "VERSION", "version": 0}],
+                        [{"request_put": {"key": k, "value": _b64(str(int(value)))}}],
+                        [{"request_range": {"key": k}}])
+        while not out.get("succeeded"):
+            kv = self._failure_kv(out)
+            if kv is None:  # deleted between the two: start again from zero
+                return self.add(key, value)
+            try:
+                new = int(_unb64(kv.get("value"))) + int(value)
+            except ValueError:
+                raise ValueError(f"etcd store: add({key!r}) on a value that is not a counter") from None
+            out = self._txn([{"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": kv["mod_revision"]}],
+                            [{"request_put": {"key": k, "value": _b64(str(new))}}],
+                            [{"request_range": {"key": k}}])
+            if out.get("succeeded"):
+                return new
+        return int(value)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        k = self._key(key)
+        exp = expected.encode() if isinstance(expected, str) else bytes(expected)
+        des = desired.encode() if isinstance(desired, str) else bytes(desired)
+        cmp = ({"key": k, "result": "EQUAL", "target": "VERSION", "version": 0} if not exp
+               else {"key": k, "result": "EQUAL", "target": "VALUE", "value": _b64(exp)})
+        out = self._txn([cmp], [{"request_put": {"key": k, "value": _b64(des)}}], [{"request_range": {"key": k}}])
+        if out.get("succeeded"):
+            return des
+        kv = self._failure_kv(out)
+        return exp if kv is None else _unb64(kv.get("value"))  # TCPStore's answer for a missing key
+
+    def delete_key(self, key: str) -> bool:
+        out = self._post("/kv/deleterange", {"key": self._key(key)})
+        return int(out.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        end = self.prefix[:-1] + chr(ord(self.prefix[-1]) + 1)
+        out = self._post("/kv/range", {"key": _b64(self.prefix), "range_end": _b64(end), "count_only": True})
+        return int(out.get("count", 0))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+
+    @property
+    def timeout(self) -> timedelta:  # type: ignore[override]
+        return self._timeout
+
+    def clone(self) -> "EtcdStore":
+        """Another client of the same keys (a thread of its own uses its own, as with TCPStore)."""
+        return EtcdStore(self.host, self.port, self.prefix, self._timeout, self._request_timeout_s)
+
+    def reachable(self) -> bool:
+        try:
+            self._post("/maintenance/status", {})
+            return True
+        except EtcdUnavailable:
+            return False
+
+    def describe(self) -> str:
+        return f"etcd://{self.host}:{self.port}{self.prefix}"
