@@ -32,7 +32,9 @@ read that missed, so no write between the two is lost. An unreachable etcd raise
 from __future__ import annotations
 
 import base64
+import json
 import logging
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -142,7 +144,7 @@ class EtcdStore(dist.Store):
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise dist.DistStoreError(f"etcd store: timed out after {self._timeout.total_seconds():.0f}s "
+                raise dist.DistStoreError(f"etcd store: timed out "
                                           f"waiting for key {key!r}")
             try:
                 ev = self._client.watch_once(self.prefix + key, timeout=min(left, 5.0), start_revision=rev + 1)
@@ -222,3 +224,128 @@ class EtcdStore(dist.Store):
 
     def describe(self) -> str:
         return f"etcd://{self.host}:{self.port}{self.prefix}"
+
+
+class MirroredEtcdStore(EtcdStore):
+    """An :class:`EtcdStore` whose reads of present keys come from a local copy of the job's
+    keys, kept by one watch on the whole prefix.
+
+    For the loops that poll many keys (the controller, a machine's agent, a worker's
+    heartbeat thread): a read that would be an HTTP round trip is a dictionary lookup, so
+    polling costs etcd and the CPU nothing. Writes, ``add`` and ``compare_set`` go to etcd
+    as before (they must be atomic there). Each entry keeps its ``mod_revision``, so an
+    event older than what is held (this process's own write landed first) is ignored,
+    and a write is seen by its writer at once. A broken watch stream is re-synced from a
+    full read. ``check`` answers from the copy alone (milliseconds behind etcd at worst,
+    as any poll is); ``get`` of a key not in the copy asks etcd, so its blocking
+    semantics are unchanged.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._copy: dict = {}  # key (without prefix) -> (value bytes or None for deleted, mod_revision)
+        self._copy_lock = threading.Lock()
+        self._stream = None
+        self._closed = threading.Event()
+        self._synced = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="pitstop-etcd-mirror", daemon=True)
+        self._thread.start()
+        if not self._synced.wait(30):
+            raise EtcdUnavailable(f"etcd at {self.host}:{self.port}: the mirror of {self.prefix} did not sync in 30s")
+
+    def _note(self, key: str, value: Optional[bytes], rev: int) -> None:
+        with self._copy_lock:
+            held = self._copy.get(key)
+            if held is None or rev > held[1]:
+                self._copy[key] = (value, rev)
+
+    def _sync(self) -> int:
+        end = self.prefix[:-1] + chr(ord(self.prefix[-1]) + 1)
+        out = self._post("/kv/range", {"key": _b64(self.prefix), "range_end": _b64(end)})
+        for kv in out.get("kvs") or []:
+            self._note(_unb64(kv["key"]).decode()[len(self.prefix):], _unb64(kv.get("value")), int(kv["mod_revision"]))
+        return int(out["header"]["revision"])
+
+    def _follow(self) -> None:
+        n = len(self.prefix)
+        while not self._closed.is_set():
+            try:
+                rev = self._sync()
+                self._synced.set()
+                for ev in self._events(rev + 1):
+                    kv = ev["kv"]
+                    self._note(_unb64(kv["key"]).decode()[n:], None if ev.get("type") == "DELETE" else
+                               _unb64(kv.get("value")), int(kv["mod_revision"]))
+            except Exception as exc:  # noqa: BLE001 - the stream broke: re-sync, unless closing
+                if self._closed.is_set():
+                    return
+                log.warning("etcd mirror of %s: the watch broke (%s); re-syncing", self.prefix, exc)
+                time.sleep(0.2)
+
+    def _events(self, start_revision: int):
+        """The watch stream on the whole prefix, one JSON object per line (etcd's gateway), read
+        in a daemon thread of this process's own over a socket that :meth:`close` shuts down:
+        a stream that never ends must not hold up exit (etcd3gw's watcher runs in a non-daemon
+        thread pool, and closing a response another thread reads blocks)."""
+        import http.client
+
+        end = self.prefix[:-1] + chr(ord(self.prefix[-1]) + 1)
+        body = json.dumps({"create_request": {"key": _b64(self.prefix), "range_end": _b64(end),
+                                              "start_revision": start_revision}})
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=10)
+        try:
+            conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise EtcdUnavailable(f"etcd refused the watch: HTTP {resp.status}")
+            conn.sock.settimeout(None)
+            self._stream = conn.sock
+            if self._closed.is_set():
+                return
+            while True:
+                line = resp.readline()
+                if not line:
+                    raise EtcdUnavailable("etcd closed the watch stream")
+                if not line.strip():
+                    continue
+                result = json.loads(line).get("result") or {}
+                if result.get("canceled"):
+                    raise EtcdUnavailable(f"etcd cancelled the watch: {result.get('cancel_reason', '')}")
+                yield from result.get("events") or []
+        finally:
+            conn.close()
+
+    def _held(self, key: str):
+        with self._copy_lock:
+            return self._copy.get(key)
+
+    def set(self, key: str, value) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        out = self._post("/kv/put", {"key": self._key(key), "value": _b64(data)})
+        self._note(key, data, int(out["header"]["revision"]))
+
+    def get(self, key: str) -> bytes:
+        held = self._held(key)
+        if held is not None and held[0] is not None:
+            return held[0]
+        return super().get(key)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """From the copy alone: a polling loop's misses must not cost a round trip each."""
+        return all((h := self._held(k)) is not None and h[0] is not None for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        out = self._post("/kv/deleterange", {"key": self._key(key)})
+        self._note(key, None, int(out["header"]["revision"]))
+        return int(out.get("deleted", 0)) > 0
+
+    def clone(self) -> "EtcdStore":
+        return EtcdStore(self.host, self.port, self.prefix, self._timeout, self._request_timeout_s)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._stream is not None:
+            try:
+                self._stream.shutdown(socket.SHUT_RDWR)  # the reading thread's recv returns
+            except OSError:  # already closed
+                pass

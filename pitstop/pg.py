@@ -20,6 +20,7 @@ Two Python process groups live here:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -33,6 +34,8 @@ from torch.distributed import distributed_c10d as c10d
 from pitstop.errors import GroupError
 from pitstop.memory import untracked
 from pitstop.protocol import Refused, open_raw, seal_raw
+
+log = logging.getLogger(__name__)
 
 WORLD_BACKEND = "pitstop_world"
 
@@ -209,6 +212,7 @@ class StoreWorldGroup(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout
         self._seq = 0
+        self._can_delete = True
         from pitstop import store as _store
 
         self._token = _store.JOB_TOKEN
@@ -283,9 +287,19 @@ class StoreWorldGroup(dist.ProcessGroup):
             ) from exc
 
     def _finish(self, op: str, keys: List[str]) -> None:
-        if self._store.add(f"{op}/done", 1) == self.size():
+        if self._store.add(f"{op}/done", 1) == self.size() and self._can_delete:
             for k in keys + [f"{op}/done"]:
-                self._store.delete_key(k)
+                try:
+                    self._store.delete_key(k)
+                except RuntimeError as exc:
+                    # a Python store (etcd) under torch's own C++ PrefixStore: c10d's trampoline
+                    # does not route deleteKey to it. The keys stay (each operation has its own
+                    # names, so nothing reads them again); world operations are rare.
+                    if "pure virtual" not in str(exc):
+                        raise
+                    self._can_delete = False
+                    log.debug("world group: the store cannot delete through c10d's PrefixStore; keys are kept")
+                    return
 
     def _exchange(self, op: str, t: torch.Tensor) -> List[torch.Tensor]:
         keys = [f"{op}/{r}" for r in range(self.size())]

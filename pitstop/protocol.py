@@ -55,6 +55,14 @@ def new_token() -> str:
     return secrets.token_hex(32)
 
 
+def job_id(token: Union[str, bytes]) -> str:
+    """A job's public name, derived from its token: every machine holding the token finds the
+    job's keys (``/pitstop/<id>/`` in etcd) without another setting, and the name reveals
+    nothing of the token."""
+    t = token.encode() if isinstance(token, str) else bytes(token)
+    return hmac.new(t, b"pitstop job id", hashlib.sha256).hexdigest()[:16]
+
+
 def take_token_from_env() -> str:
     """Read the job token and remove it from this process's environment.
 
@@ -250,6 +258,8 @@ LAYOUT = Schema("layout", {"world_size": Field(int, lo=1, hi=2 ** 24), "tp": Fie
                            "order": Field(str, max_len=64), "shard_kind": Field(str, max_len=32)})
 
 
+#: The controller's own state (launch.controller.Controller._state); checked field by field on restore.
+CONTROLLER_STATE = Schema("controller-state", {}, extra=True)
 NODE_LINK = Schema("node-link", {"host": Field(str, max_len=255), "port": Field(int, lo=1, hi=65535)})
 NODE_HELLO = Schema("node-hello", {"node": Field(int, lo=0, hi=2 ** 20), "host": Field(str, max_len=255),
                                    "addr": Field(str, max_len=255), "nproc": Field(int, lo=1, hi=4096),

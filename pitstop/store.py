@@ -83,13 +83,15 @@ def etcd_spec(endpoint: str, job: str) -> str:
     return f"{ETCD_SCHEME}{host}:{port}/pitstop/{job}/"
 
 
-def connect(spec: str, timeout: timedelta = timedelta(minutes=5)) -> dist.Store:
-    """A client of the control store at ``spec`` (see :func:`parse_spec`)."""
+def connect(spec: str, timeout: timedelta = timedelta(minutes=5), mirrored: bool = False) -> dist.Store:
+    """A client of the control store at ``spec`` (see :func:`parse_spec`). ``mirrored``: for
+    a polling loop on etcd, reads come from a local copy kept by a watch
+    (:class:`pitstop.etcd_store.MirroredEtcdStore`); a ``TCPStore`` is local enough."""
     backend, host, port, prefix = parse_spec(spec)
     if backend == "etcd":
-        from pitstop.etcd_store import EtcdStore
+        from pitstop.etcd_store import EtcdStore, MirroredEtcdStore
 
-        return EtcdStore(host, port, prefix, timeout=timeout)
+        return (MirroredEtcdStore if mirrored else EtcdStore)(host, port, prefix, timeout=timeout)
     return dist.TCPStore(host, port, is_master=False, timeout=timeout)
 
 

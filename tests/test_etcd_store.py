@@ -74,7 +74,7 @@ def test_get_and_wait_block_until_written_and_time_out(etcd_endpoint):
     assert 0.2 < time.monotonic() - t0 < 5
     threading.Timer(0.2, lambda: writer.set("w2", b"1")).start()
     st.wait(["late", "w2"], timedelta(seconds=5))
-    with pytest.raises(dist.DistStoreError, match="timed out .* 'never'"):
+    with pytest.raises(dist.DistStoreError, match="timed out waiting for key .never."):
         st.wait(["never"])
     with pytest.raises(dist.DistStoreError):
         st.get("never")
@@ -123,3 +123,34 @@ def test_gloo_process_groups_rendezvous_over_etcd(etcd_endpoint):
         p.join(30)
     assert got == [(0, 3.0, 30.0), (1, 3.0, 30.0)]
     assert all(p.exitcode == 0 for p in procs)
+
+
+def test_mirrored_reads_follow_other_writers_and_own_writes(etcd_endpoint):
+    from pitstop.etcd_store import MirroredEtcdStore
+
+    spec = etcd_spec(etcd_endpoint, uuid.uuid4().hex[:12])
+    other = connect(spec, timeout=timedelta(seconds=10))
+    other.set("before", b"0")
+    m = MirroredEtcdStore(*parse_spec(spec)[1:], timeout=timedelta(seconds=10))
+    try:
+        assert m.check(["before"]) and m.get("before") == b"0"           # the initial sync
+        m.set("mine", b"1")
+        assert m.check(["mine"]) and m.get("mine") == b"1"               # own write seen at once
+        other.set("theirs", b"2")
+        deadline = time.monotonic() + 5
+        while not m.check(["theirs"]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert m.get("theirs") == b"2"                                   # another writer's, through the watch
+        other.set("mine", b"3")
+        while m.get("mine") != b"3" and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert m.get("mine") == b"3"
+        other.delete_key("before")
+        while m.check(["before"]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not m.check(["before"])
+        assert m.add("c", 2) == 2 and m.compare_set("v", "", "x") == b"x"  # atomic ops still go to etcd
+        threading.Timer(0.2, lambda: other.set("later", b"4")).start()
+        assert m.get("later") == b"4"                                    # a miss blocks, as TCPStore's get
+    finally:
+        m.close()

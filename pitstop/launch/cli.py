@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--run-dir", default="runs/demo", help="logs and events go here (default runs/demo)")
 
     la = sub.add_parser("launch", help="run a training script with a controller, standbys and heartbeats")
-    la.add_argument("--nproc-per-node", type=_count(1), required=True, help="workers on this machine")
+    la.add_argument("--nproc-per-node", type=_count(1), default=None, help="workers on this machine (required, "
+                    "but with --resume)")
     la.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
                     help="machines, one agent each: N train; MIN:MAX adds MAX-MIN standby machines "
                          "(default 1, or SLURM_NNODES under srun)")
@@ -84,7 +85,13 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--standby", type=_count(0), default=None, help="warm standby processes (default 0, or the "
                     "DeepSpeed config's pitstop.standby)")
     la.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", type=_endpoint,
-                    help="where the control store listens: that one interface (default 127.0.0.1 and a free port)")
+                    help="c10d: where the control store listens, that one interface (default 127.0.0.1 and a free "
+                         "port); etcd: an etcd client address")
+    la.add_argument("--rdzv-backend", default="c10d", choices=("c10d", "etcd"),
+                    help="c10d (default): a TCPStore inside the controller, whose death ends the job; etcd: the "
+                         "control plane in etcd, training goes on while the controller is down and it restarts")
+    la.add_argument("--resume", action="store_true",
+                    help="re-attach a controller to the etcd-backed job of --run-dir (its workers still running)")
     la.add_argument("--run-dir", default="runs/latest", help="logs, events.jsonl, roster.json (default runs/latest)")
     la.add_argument("--heartbeat-interval", type=_seconds, default=None, metavar="S", help="default 0.5")
     la.add_argument("--heartbeat-timeout", type=_seconds, default=None, metavar="S", help="default 5.0")
@@ -280,6 +287,12 @@ def _launch(args) -> int:
 
     from pitstop.launch.controller import Controller
 
+    if args.resume:
+        from pitstop.launch.supervisor import load_spec, supervise
+
+        if args.script and args.script != ["--"]:
+            raise PitstopError("--resume takes the job from --run-dir/launch.json: give no script")
+        return supervise(load_spec(Path(args.run_dir)), resume=True)
     spec, node_rank, endpoint = launch_spec(args)
     script, cfg = spec.argv, spec.config
     if not Path(script[0]).exists():
@@ -291,13 +304,27 @@ def _launch(args) -> int:
     if node_rank > 0:  # not the head: this machine's agent only
         from pitstop.launch.node_agent import NodeAgent, setup_logging
         from pitstop.protocol import take_token_from_env
-        from pitstop.store import parse_endpoint
+        from pitstop.store import etcd_spec
 
-        host, port = parse_endpoint(endpoint)
+        token = take_token_from_env()
+        where = endpoint if spec.rdzv_backend != "etcd" else etcd_spec(endpoint, _job_id(token))
         setup_logging()
         return NodeAgent(node_rank, args.local_addr or "127.0.0.1", args.nproc_per_node, script, Path(args.run_dir),
-                         host, port, take_token_from_env(), cfg.heartbeat_interval_s).run()
+                         where, token, cfg.heartbeat_interval_s).run()
+    if spec.rdzv_backend == "etcd":
+        from pitstop.launch.supervisor import supervise
+
+        return supervise(spec)
     return Controller(spec).run()
+
+
+def _job_id(token: str) -> str:
+    from pitstop.protocol import job_id
+
+    if len(token) < 32:
+        raise PitstopError("--rdzv-backend etcd on several machines: set PITSTOP_JOB_TOKEN to the same secret of at "
+                           "least 32 characters on every machine")
+    return job_id(token)
 
 
 def launch_spec(args):
@@ -318,6 +345,8 @@ def launch_spec(args):
         script = script[1:]
     if not script:
         raise PitstopError("no training script given: pitstop launch [options] -- SCRIPT ARGS...")
+    if args.nproc_per_node is None:
+        raise PitstopError("pitstop launch: --nproc-per-node N is required (workers on this machine)")
     given = {k: getattr(args, k) for k in _LAUNCH_DEFAULTS if getattr(args, k, None) is not None}
     from_script = _script_flags(script[1:])
     for k, val in from_script.items():
@@ -343,7 +372,7 @@ def launch_spec(args):
     endpoint = args.rdzv_endpoint or (f"{slurm.head}:29400" if slurm and Nodes.parse(nnodes).max > 1 else None)
     env = {k: v for k, v in os.environ.items() if k == "PITSTOP_FAULT"}
     spec = LaunchSpec(script, args.nproc_per_node, v["standby"], nnodes, endpoint,
-                      Path(args.run_dir), cfg, env, local_addr=args.local_addr)
+                      Path(args.run_dir), cfg, env, local_addr=args.local_addr, rdzv_backend=args.rdzv_backend)
     spec.nodes.check_rank(node_rank)
     return spec, node_rank, endpoint
 

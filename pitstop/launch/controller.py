@@ -40,7 +40,7 @@ from pitstop.roster import ProcessInfo, Roster
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig
 from pitstop.runtime.worker import ENV_CONTROLLER, ENV_EPOCH, ENV_GENERATION, ENV_RESUME, ENV_SLOT, ENV_STANDBY
-from pitstop.store import host_store, parse_endpoint
+from pitstop.store import connect, etcd_spec, host_store, parse_endpoint
 
 log = logging.getLogger("pitstop.controller")
 
@@ -62,8 +62,16 @@ class LaunchSpec:
     """Extra environment for every process (e.g. ``PITSTOP_FAULT``)."""
     local_addr: Optional[str] = None
     """This machine's address (its gloo groups listen there); default: the store's host."""
+    rdzv_backend: str = "c10d"
+    """``c10d``: the controller hosts a ``TCPStore`` (its death ends the job); ``etcd``: the
+    control plane lives in the etcd at ``rdzv_endpoint`` and outlives the controller."""
 
     def __post_init__(self) -> None:
+        if self.rdzv_backend not in BACKENDS:
+            raise PitstopError(f"--rdzv-backend {self.rdzv_backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.rdzv_backend == "etcd" and not self.rdzv_endpoint:
+            raise PitstopError("--rdzv-backend etcd: give --rdzv-endpoint HOST:PORT, the address of an etcd "
+                               "client URL (etcd's default port is 2379)")
         if self.nproc_per_node < 1:
             raise PitstopError(f"--nproc-per-node({self.nproc_per_node}) must be >= 1")
         if self.standby < 0:
@@ -79,6 +87,32 @@ class LaunchSpec:
     @property
     def multi_node(self) -> bool:
         return self.nodes.max > 1
+
+    @property
+    def agents_apart(self) -> bool:
+        """Every machine's processes are run by an agent process of its own: with several
+        machines, and with etcd, where the head's agent must outlive the controller."""
+        return self.multi_node or self.rdzv_backend == "etcd"
+
+    def to_json(self) -> Dict[str, Any]:
+        """What ``--resume`` needs to run this job's controller again."""
+        return {"argv": self.argv, "nproc_per_node": self.nproc_per_node, "standby": self.standby,
+                "nnodes": str(self.nnodes), "rdzv_endpoint": self.rdzv_endpoint, "run_dir": str(self.run_dir),
+                "config": self.config.to_env(), "env": self.env, "local_addr": self.local_addr,
+                "rdzv_backend": self.rdzv_backend}
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "LaunchSpec":
+        return cls(list(d["argv"]), int(d["nproc_per_node"]), int(d["standby"]), d["nnodes"], d["rdzv_endpoint"],
+                   Path(d["run_dir"]), RuntimeConfig.from_env(d["config"]), dict(d["env"]), d.get("local_addr"),
+                   d.get("rdzv_backend", "c10d"))
+
+
+#: ``--rdzv-backend`` values (torchrun's spelling).
+BACKENDS = ("c10d", "etcd")
+#: The launch's spec, for ``pitstop launch --resume`` (and a restarted controller).
+LAUNCH_FILE = "launch.json"
+ENV_JOB = "PITSTOP_JOB_ID"
 
 
 @dataclass
@@ -98,16 +132,29 @@ class Member:
 class Controller:
     """Runs one job to its end (see the module docstring)."""
 
-    def __init__(self, spec: LaunchSpec) -> None:
+    def __init__(self, spec: LaunchSpec, resume: bool = False) -> None:
         self.spec = spec
         self.cfg = spec.config
         self.run_dir = Path(spec.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        host, port = parse_endpoint(spec.rdzv_endpoint) if spec.rdzv_endpoint else ("127.0.0.1", 0)
-        self.store = host_store(host, port)
-        self.host, self.port = host, self.store.port
+        self.resume = resume
+        self.job = ""
+        if spec.rdzv_backend == "etcd":  # the store outlives this process: its supervisor chose job and token
+            self.job = os.environ.get(ENV_JOB, "")
+            if not self.job:
+                raise PitstopError(f"an etcd-backed controller needs {ENV_JOB} (set by pitstop launch)")
+            self.store_spec = etcd_spec(spec.rdzv_endpoint, self.job)
+            self.store = connect(self.store_spec, mirrored=True)
+            self.host, self.port = spec.local_addr or "127.0.0.1", None
+        else:
+            host, port = parse_endpoint(spec.rdzv_endpoint) if spec.rdzv_endpoint else ("127.0.0.1", 0)
+            self.store = host_store(host, port)
+            self.host, self.port = host, self.store.port
+            self.store_spec = f"{host}:{self.port}"
         self.token = new_token()
-        if spec.multi_node:  # every machine's agent must hold the same secret: it comes from the environment
+        if spec.multi_node or spec.rdzv_backend == "etcd":
+            # every machine's agent must hold the same secret (and a restarted controller too):
+            # it comes from the environment
             self.token = os.environ.get(ENV_TOKEN, "")
             if len(self.token) < 32:
                 raise PitstopError(f"--nnodes {spec.nodes.min}:{spec.nodes.max}: set {ENV_TOKEN} to the same secret "
@@ -126,7 +173,7 @@ class Controller:
         self.agent: Any = (RemoteAgents(self.ch, self.run_dir, spec.nodes.max, self.cfg.heartbeat_timeout_s,
                                         self._node_lost, confirm_s=self.confirm_s(), probe_s=self.probe_s(),
                                         link_host=self.host, on_refused=self._refused)
-                           if spec.multi_node else Agent(self.run_dir))
+                           if spec.agents_apart else Agent(self.run_dir))
         self.poison_seen: Optional[tuple] = None      # (generation, step) of the last poisoned verdict seen
         self.members: Dict[int, Member] = {}          # by slot
         self.roster: Optional[Roster] = None
@@ -152,7 +199,10 @@ class Controller:
         self.standbys_taken = 0
         # mode 0600: it holds the job token, which `pitstop drain` needs to sign its request
         write_private(self.run_dir / CONTROLLER, json.dumps({"host": self.host, "port": self.port, "pid": os.getpid(),
-                                                             "token": self.token}))
+                                                             "token": self.token, "store": self.store_spec,
+                                                             "job": self.job}))
+        self._persisted = ""
+        self._persist_at = 0.0
 
     def _refused(self, key: str, reason: str) -> None:
         log.warning("refused %s: %s", key, reason)
@@ -160,7 +210,8 @@ class Controller:
 
     # ------------------------------------------------------------------ processes
     def _env(self, rank: int, extra: Dict[str, str]) -> Dict[str, str]:
-        env = worker_env(rank, self.spec.world_size, rank % self.spec.nproc_per_node, self.host, self.port)
+        env = worker_env(rank, self.spec.world_size, rank % self.spec.nproc_per_node, self.host, self.port,
+                         store=self.store_spec if self.port is None else None)
         env["LOCAL_WORLD_SIZE"] = str(self.spec.nproc_per_node)
         env.update(self.cfg.to_env())
         if not self.cfg.save_dir:
@@ -176,7 +227,7 @@ class Controller:
         return self.next_slot - 1
 
     def _spawn(self, name: str, env: Dict[str, str], node: int):
-        if self.spec.multi_node:
+        if self.spec.agents_apart:
             return self.agent.start(name, env, node)
         return self.agent.start(name, self.spec.argv, env)
 
@@ -200,16 +251,7 @@ class Controller:
         return p
 
     def _start_head_agent(self):
-        """This machine's agent, a process of its own like every other machine's (node rank 0)."""
-        env = dict(os.environ, **{ENV_TOKEN: self.token})
-        cmd = [sys.executable, "-m", "pitstop.launch.node_agent", "--node", "0", "--addr", self.spec.local_addr or self.host,
-               "--nproc", str(self.spec.nproc_per_node), "--run-dir", str(self.run_dir), "--store",
-               f"{self.host}:{self.port}", "--heartbeat-interval", str(self.cfg.heartbeat_interval_s), "--",
-               *self.spec.argv]
-        log_path = self.run_dir / "logs" / "agent-0.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as out:
-            return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return start_head_agent(self.spec, self.token, self.store_spec, self.host)
 
     def confirm_s(self) -> float:
         """The agent silence that confirms a machine's loss once a failure has been reported:
@@ -241,16 +283,20 @@ class Controller:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
-        self.events.write("launch", world_size=self.spec.world_size, standby=self.spec.standby,
-                          store=f"{self.host}:{self.port}", argv=self.spec.argv)
-        head_agent = self._start_head_agent() if self.spec.multi_node else None
-        for r in range(self.spec.world_size):
-            self._start_worker(r)
-        for _ in range(self.spec.standby):
-            self._start_standby()
-        for k in range(self.spec.nodes.min, self.spec.nodes.max):  # standby machines
-            for i in range(self.spec.nproc_per_node):
-                self._start_standby(node=k, local_rank=i, machine=True)
+        # with etcd the head's agent is the supervisor's (it outlives this process)
+        head_agent = self._start_head_agent() if self.spec.multi_node and self.spec.rdzv_backend != "etcd" else None
+        if self.resume:
+            self._restore()
+        else:
+            self.events.write("launch", world_size=self.spec.world_size, standby=self.spec.standby,
+                              store=self.store_spec, argv=self.spec.argv)
+            for r in range(self.spec.world_size):
+                self._start_worker(r)
+            for _ in range(self.spec.standby):
+                self._start_standby()
+            for k in range(self.spec.nodes.min, self.spec.nodes.max):  # standby machines
+                for i in range(self.spec.nproc_per_node):
+                    self._start_standby(node=k, local_rank=i, machine=True)
         try:
             last_reassert = 0.0
             while self.exit_code is None:
@@ -258,7 +304,7 @@ class Controller:
                     self.ch.reassert()
                     last_reassert = time.monotonic()
                 self._read_committed()
-                if self.spec.multi_node:
+                if self.spec.agents_apart:
                     self._watch_poison()
                 self._admit()
                 self._settle()
@@ -268,6 +314,7 @@ class Controller:
                 self._check_drain_requests()
                 self._progress()
                 self._watch_warmup()
+                self._persist()
                 time.sleep(0.01)
         finally:
             self.ch.put(keys.DONE, {"set": True})
@@ -279,6 +326,100 @@ class Controller:
                 except subprocess.TimeoutExpired:
                     head_agent.kill()
         return self.exit_code
+
+    # ------------------------------------------------------------------ re-attaching (etcd)
+    def _state(self) -> Dict[str, Any]:
+        """Everything this controller knows that is not in the store already, as JSON: what a
+        restarted controller needs to go on (:meth:`_restore`). Processes are named, never
+        held: the agents hold them."""
+        def member(m: Member) -> Dict[str, Any]:
+            return {"slot": m.slot, "proc": m.proc.name if m.proc is not None else None, "host": m.info.host,
+                    "pid": m.info.pid, "standby": m.standby, "node": m.node, "machine": m.machine}
+
+        return {
+            "next_slot": self.next_slot, "apply_next": self.apply_next, "epoch": self.epoch,
+            "generation": self.generation, "next_join": self.next_join, "drain_seen": self.drain_seen,
+            "sb_count": self.sb_count, "standbys_taken": self.standbys_taken, "warm_all": self.warm_all,
+            "committed": list(self.committed) if self.committed else None,
+            "poison_seen": list(self.poison_seen) if self.poison_seen else None,
+            "expected": [{"slot": sl, "proc": e["proc"].name, "standby": e["standby"], "rank": e["rank"],
+                          "node": e.get("node", 0), "machine": e.get("machine", False)} for sl, e in self.expected.items()],
+            "members": [member(m) for m in self.members.values()],
+            "roster": json.loads(self.roster.to_json()) if self.roster is not None else None,
+            "role_slots": [[r, sl] for r, sl in self.role_slots.items()], "pool": list(self.pool),
+            "pending": self.pending, "drain_queue": [[list(r), v] for r, v in self.drain_queue],
+            "drain_waiting": [list(t) for t in self.drain_waiting],
+            "draining": None if self.draining is None else {
+                **self.draining, "slots": [[r, sl] for r, sl in self.draining["slots"].items()],
+                "leavers": [[r, sl] for r, sl in self.draining["leavers"].items()],
+                "old": [[r, v] for r, v in self.draining["old"].items()],
+                "new": [[r, v] for r, v in self.draining["new"].items()]},
+            "leavers": sorted(self.leavers), "stopping": sorted(self.stopping), "finished": sorted(self.finished),
+            "recorded": sorted(self.recorded), "warm_seen": sorted(self.warm_seen),
+            "lost": [[r, p.name, why] for r, (p, why) in self.lost.items()],
+            "agents": self.agent.state(),
+        }
+
+    def _persist(self) -> None:
+        """Write :meth:`_state` to the store when it changed (at most every 20 ms): with etcd, a
+        restarted controller re-attaches from it. A no-op with the embedded store, which
+        dies with this process anyway."""
+        if self.spec.rdzv_backend != "etcd":
+            return
+        now = time.monotonic()
+        if now - self._persist_at < 0.02:
+            return
+        self._persist_at = now
+        text = json.dumps(self._state(), sort_keys=True)
+        if text != self._persisted:
+            self.ch.put(keys.CONTROLLER_STATE, json.loads(text))
+            self._persisted = text
+
+    def _restore(self) -> None:
+        """Re-attach: take the state the previous controller left in etcd, and the agents' view.
+        The workers, standbys and agents never stopped; what happened meanwhile (exits,
+        hellos, commits, drain requests) is in the store and is read on the next loop."""
+        st = self.ch.read(keys.CONTROLLER_STATE, protocol.CONTROLLER_STATE)
+        if st is None:
+            raise PitstopError(f"--resume: the store {self.store_spec} holds no controller state for this job "
+                               "(the job ended, or another job's run directory was given)")
+        try:
+            self._take_state(st)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise PitstopError(f"--resume: the controller state in {self.store_spec} is not one this version "
+                               f"can take over ({type(exc).__name__}: {exc})") from None
+        self.events.write("controller-resumed", pid=os.getpid(), generation=self.roster.generation if self.roster else None,
+                          committed=list(self.committed) if self.committed else None,
+                          members=len(self.members), standbys=len(self.pool))
+        log.info("re-attached: generation %s, %d processes, %d standbys", self.roster.generation if self.roster else None,
+                 len(self.members), len(self.pool))
+
+    def _take_state(self, st: Dict[str, Any]) -> None:
+        self.agent.restore(st["agents"])
+        procs = self.agent.procs
+        self.next_slot, self.apply_next, self.epoch = st["next_slot"], st["apply_next"], st["epoch"]
+        self.generation, self.next_join, self.drain_seen = st["generation"], st["next_join"], st["drain_seen"]
+        self.sb_count, self.standbys_taken, self.warm_all = st["sb_count"], st["standbys_taken"], st["warm_all"]
+        self.committed = tuple(st["committed"]) if st["committed"] else None
+        self.poison_seen = tuple(st["poison_seen"]) if st["poison_seen"] else None
+        self.expected = {e["slot"]: {"proc": procs[e["proc"]], "standby": e["standby"], "rank": e["rank"],
+                                     "node": e["node"], "machine": e["machine"]} for e in st["expected"]}
+        self.members = {m["slot"]: Member(m["slot"], procs.get(m["proc"]) if m["proc"] else None,
+                                          ProcessInfo(m["host"], m["pid"]), m["standby"], node=m["node"],
+                                          machine=m["machine"]) for m in st["members"]}
+        self.roster = Roster.from_json(json.dumps(st["roster"])) if st["roster"] is not None else None
+        self.role_slots = {int(r): int(sl) for r, sl in st["role_slots"]}
+        self.pool = [int(x) for x in st["pool"]]
+        self.pending = list(st["pending"])
+        self.drain_queue = [(list(r), v) for r, v in st["drain_queue"]]
+        self.drain_waiting = {tuple(t) for t in st["drain_waiting"]}
+        d = st["draining"]
+        self.draining = None if d is None else {**d, **{k: {int(r): v for r, v in d[k]}
+                                                       for k in ("slots", "leavers", "old", "new")}}
+        self.leavers, self.stopping = set(st["leavers"]), set(st["stopping"])
+        self.finished, self.recorded, self.warm_seen = set(st["finished"]), set(st["recorded"]), set(st["warm_seen"])
+        self.lost = {int(r): (procs[name], why) for r, name, why in st["lost"]}
+        self.lost_at = time.monotonic()
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> None:
@@ -610,7 +751,7 @@ class Controller:
             self.events.write("restart", mode="from-scratch", reason=f"role {role} lost before the first step"
                               if role >= 0 else reason)
         placement: Dict[int, int] = {}
-        if self.spec.multi_node:
+        if self.spec.agents_apart:
             placement, taken, why = self._restart_placement()
             if why:
                 self.events.write("failed", reason=f"{reason}; the restart needs {self._training_machines()} "
@@ -913,6 +1054,18 @@ class Controller:
             self.events.write("restarted", **ev)
 
 
+def start_head_agent(spec: LaunchSpec, token: str, store_spec: str, host: str) -> subprocess.Popen:
+    """The head machine's agent, a process of its own like every other machine's (node rank 0)."""
+    env = dict(os.environ, **{ENV_TOKEN: token})
+    cmd = [sys.executable, "-m", "pitstop.launch.node_agent", "--node", "0", "--addr", spec.local_addr or host,
+           "--nproc", str(spec.nproc_per_node), "--run-dir", str(spec.run_dir), "--store", store_spec,
+           "--heartbeat-interval", str(spec.config.heartbeat_interval_s), "--", *spec.argv]
+    log_path = Path(spec.run_dir) / "logs" / "agent-0.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def request_drain(run_dir: Path, rank: Optional[int] = None, host: Optional[str] = None) -> int:
     """Ask the controller of ``run_dir`` to drain a rank or every rank on a host; returns the request number.
 
@@ -923,16 +1076,17 @@ def request_drain(run_dir: Path, rank: Optional[int] = None, host: Optional[str]
         raise PitstopError(f"no controller found: {info_path} does not exist (is the job running with --run-dir {run_dir}?)")
     try:
         info = json.loads(info_path.read_text())
-        addr, port, token = str(info["host"]), int(info["port"]), str(info["token"])
+        where, token = str(info.get("store") or f"{info['host']}:{int(info['port'])}"), str(info["token"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise PitstopError(f"{info_path}: expected the controller's JSON with host, port and token ({exc})") from None
+        raise PitstopError(f"{info_path}: expected the controller's JSON with its store and token ({exc})") from None
     from datetime import timedelta
 
     try:
-        store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10))
+        store = connect(where, timeout=timedelta(seconds=10))
+        store.check(["ctl/done"])
     except Exception as exc:  # noqa: BLE001 - DistNetworkError and friends
         raise PitstopError(
-            f"the controller of {run_dir} at {addr}:{port} does not answer "
+            f"the control store of {run_dir} at {where} does not answer "
             f"(has the job ended?): {str(exc).splitlines()[0]}"
         ) from None
     ch = Channel(store, token)

@@ -19,8 +19,17 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext
 from pitstop.store import ENV_STORE, host_store
 
 
-def worker_env(rank: int, world_size: int, local_rank: int, host: str, port: int, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """The environment torchrun gives a worker, plus pitstop's own variables."""
+def worker_env(rank: int, world_size: int, local_rank: int, host: str, port: Optional[int],
+               extra: Optional[Dict[str, str]] = None, store: Optional[str] = None) -> Dict[str, str]:
+    """The environment torchrun gives a worker, plus pitstop's own variables. ``store``: the
+    control store's address when it is not a ``TCPStore`` at ``host:port`` (etcd: then no
+    ``MASTER_PORT``, as there is no ``TCPStore`` for ``env://`` to reach)."""
+    if store is not None:
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+               "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "MASTER_ADDR": host, ENV_STORE: store,
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+        env.update(extra or {})
+        return env
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),

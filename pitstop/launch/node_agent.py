@@ -52,17 +52,18 @@ _ALLOWED_ENV = re.compile(r"^(PITSTOP_[A-Z0-9_]+|RANK|WORLD_SIZE|LOCAL_RANK|LOCA
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-def connect(host: str, port: int, timeout_s: float = 300.0):
-    """A client of the control store, waiting (bounded) for the head to open it."""
-    import torch.distributed as dist
+def connect(spec: str, timeout_s: float = 300.0):
+    """A client of the control store at ``spec`` (``HOST:PORT`` or ``etcd://...``), waiting
+    (bounded) for the head to open it; on etcd, reads come from a watched copy (the loop polls)."""
+    from pitstop import store as store_mod
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+            return store_mod.connect(spec, timeout=timedelta(seconds=30), mirrored=True)
         except Exception as exc:  # noqa: BLE001 - DistNetworkError: not up yet
             if time.monotonic() > deadline:
-                raise PitstopError(f"the control store at {host}:{port} did not answer within {timeout_s:.0f}s: "
+                raise PitstopError(f"the control store at {spec} did not answer within {timeout_s:.0f}s: "
                                    f"{str(exc).splitlines()[0]}") from None
             time.sleep(0.5)
 
@@ -70,15 +71,15 @@ def connect(host: str, port: int, timeout_s: float = 300.0):
 class NodeAgent:
     """The loop of one machine's agent (see the module docstring)."""
 
-    def __init__(self, node: int, addr: str, nproc: int, argv: Sequence[str], run_dir: Path, store_host: str,
-                 store_port: int, token: str, heartbeat_interval_s: float = 0.5) -> None:
+    def __init__(self, node: int, addr: str, nproc: int, argv: Sequence[str], run_dir: Path, store_spec: str,
+                 token: str, heartbeat_interval_s: float = 0.5) -> None:
         if not token:
             raise PitstopError("a machine's agent needs the job token: set PITSTOP_JOB_TOKEN to the same secret "
                                "on every machine (for example exported before srun)")
         self.node, self.addr, self.nproc, self.argv = node, addr, nproc, list(argv)
         self.token = token
         self.interval = heartbeat_interval_s
-        self.store = connect(store_host, store_port)
+        self.store = connect(store_spec)
         self.ch = Channel(self.store, token, lambda k, r: log.warning("[node %d] refused %s: %s", node, k, r))
         self.agent = Agent(Path(run_dir))
         self.names: Dict[str, Proc] = {}
@@ -87,7 +88,8 @@ class NodeAgent:
         self.answered = 0
         """The newest probe answered (an older one, replayed, is not answered again)."""
         self.link = None
-        self.link_tried = False
+        self.link_to: Optional[tuple] = None
+        """The controller address the link was opened to (a restarted controller publishes a new one)."""
 
     def _child_env(self, env: Dict[str, str]) -> Dict[str, str]:
         bad = sorted(k for k in env if not _ALLOWED_ENV.match(k) or not isinstance(env[k], str))
@@ -127,13 +129,17 @@ class NodeAgent:
 
     def _try_link(self) -> None:
         """Open the TCP link to the controller (:mod:`pitstop.launch.link`) once its address is
-        published; one attempt. Without it the heartbeat and the probe stand alone."""
+        published; one attempt per address. Without it the heartbeat and the probe stand
+        alone. A restarted controller (etcd) publishes a new address: the link moves there."""
         from pitstop.launch import link
 
         where = self.ch.read(keys.NODE_LINK, protocol.NODE_LINK)
-        if where is None:
+        if where is None or (where["host"], where["port"]) == self.link_to:
             return
-        self.link_tried = True
+        if self.link is not None:  # the old controller is gone
+            self.link.close()
+            self.link = None
+        self.link_to = (where["host"], where["port"])
         try:
             self.link = link.connect(where["host"], where["port"], self.node, self.token)
         except (OSError, ValueError) as exc:
@@ -154,7 +160,7 @@ class NodeAgent:
                         break
                     self.next_cmd += 1
                     self._command(k, cmd)
-                if not self.link_tried:
+                if self.link_to is None or time.monotonic() - last_beat >= self.interval:
                     self._try_link()
                 for p in self.agent.poll():
                     self.ch.put(keys.node_event(self.node, p.name, "exit"), {"pid": p.pid, "exit": p.exit})
@@ -188,8 +194,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     how the head starts its own machine's agent (other machines run ``pitstop launch --node-rank K``)."""
     import argparse
 
-    from pitstop.store import parse_endpoint
-
     p = argparse.ArgumentParser(prog="pitstop-node-agent")
     p.add_argument("--node", type=int, required=True)
     p.add_argument("--addr", required=True)
@@ -200,9 +204,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("script", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
-    host, port = parse_endpoint(args.store)
+    from pitstop.store import parse_spec
+
+    parse_spec(args.store)  # a clear error for a bad address
     setup_logging()
-    return NodeAgent(args.node, args.addr, args.nproc, script, Path(args.run_dir), host, port,
+    return NodeAgent(args.node, args.addr, args.nproc, script, Path(args.run_dir), args.store,
                      protocol.take_token_from_env(), args.heartbeat_interval).run()
 
 

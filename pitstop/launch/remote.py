@@ -105,6 +105,33 @@ class RemoteAgents:
             self.links = LinkServer(link_host, ch.token, on_refused)
             ch.put(keys.NODE_LINK, {"host": link_host, "port": self.links.port})
 
+    # ------------------------------------------------------------------ a restarted controller
+    def state(self) -> Dict:
+        """JSON: the machines, the command counters and the processes (see :meth:`restore`)."""
+        return {"nodes": [[k, {"hello": st.hello, "beats": st.beats, "lost": st.lost, "cause": st.cause}]
+                          for k, st in self.nodes.items()],
+                "cmds": [[k, n] for k, n in self.cmds.items()], "probes": self.probes,
+                "procs": [{"name": p.name, "node": p.node, "pid": p.pid, "exit": p.exit} for p in self.procs.values()]}
+
+    def restore(self, d: Dict) -> None:
+        """Take over from a controller that died: its machines and processes, as it left them.
+        Every live machine's silence counts from now (the agents never stopped). A command
+        the old controller sent after its last saved state is found in the store, so its
+        number is not used twice."""
+        now = time.monotonic()
+        for k, n in d["nodes"]:
+            st = self.nodes[int(k)]
+            st.hello, st.beats, st.lost, st.cause = n["hello"], int(n["beats"]), bool(n["lost"]), n["cause"]
+            st.last_beat = now
+        for k, n in d["cmds"]:
+            n = int(n)
+            while self.ch.store.check([keys.node_cmd(int(k), n + 1)]):
+                n += 1
+            self.cmds[int(k)] = n
+        self.probes = int(d["probes"])
+        self.procs = {p["name"]: RemoteProc(p["name"], int(p["node"]), p["pid"], p["exit"]) for p in d["procs"]}
+        self._started = now
+
     # ------------------------------------------------------------------ commands
     def _send(self, node: int, body: dict) -> None:
         self.cmds[node] += 1

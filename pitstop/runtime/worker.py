@@ -127,7 +127,7 @@ class Heartbeat:
     """
 
     def __init__(self, slot: int, interval_s: float, main: Channel) -> None:
-        self.store = store_mod.connect(os.environ[ENV_STORE], timeout=timedelta(seconds=30))
+        self.store = store_mod.connect(os.environ[ENV_STORE], timeout=timedelta(seconds=30), mirrored=True)
         self.channel = main.sibling(self.store)  # shares what the process owns: reasserted at every beat
         self.slot = slot
         self.beats = 0
