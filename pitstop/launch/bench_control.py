@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import signal
+import statistics
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from pitstop.runtime import keys
+from pitstop.store import connect as store_connect
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +48,17 @@ def _junk(rng: random.Random, stolen: List[bytes]) -> bytes:
     return b"ps1." + b"0" * 64 + b"." + json.dumps({"role": 0, "generation": 1, "mode": "recover"}).encode()  # forged MAC
 
 
-def fuzz_store(host: str, port: int, seconds: float, seed: int = 0, period_s: float = 0.05,
+def fuzz_store(host: str, port: Optional[int], seconds: float, seed: int = 0, period_s: float = 0.05,
                stop: Optional[threading.Event] = None) -> Dict[str, int]:
     """Write junk onto every key of ``keys.all_patterns()`` for ``seconds`` (bounded, then stops).
 
     Values already in the store are read first and replayed onto other keys, or back
-    onto their own key later (a stale heartbeat). Returns how many writes of each kind."""
+    onto their own key later (a stale heartbeat). Returns how many writes of each kind.
+    ``port`` None: ``host`` is a store address (``etcd://...``)."""
     import torch.distributed as dist
 
-    st = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+    st = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30)) if port else \
+        store_connect(host, timeout=timedelta(seconds=30))
     rng = random.Random(seed)
     names = keys.all_patterns()
     stolen: List[bytes] = []
@@ -79,31 +85,180 @@ def fuzz_store(host: str, port: int, seconds: float, seed: int = 0, period_s: fl
     return counts
 
 
-def bench_control(run_dir: str = "runs/bench-control", steps: int = 10, fuzz_s: float = 60.0) -> Dict:
-    """One world-8 job with a standby, a SIGKILL at step 4 and the fuzzer running; against an
-    uninterrupted run of the same job."""
+def bench_control(run_dir: str = "runs/bench-control", steps: int = 10, fuzz_s: float = 60.0,
+                  parts: Tuple[str, ...] = ("fuzz", "restart", "etcd"), etcd_endpoint: Optional[str] = None) -> Dict:
+    """``fuzz``: one world-8 job with a standby, a SIGKILL at step 4 and the fuzzer running,
+    against an uninterrupted run of the same job. ``restart``: the controller SIGKILLed
+    while an etcd-backed job trains, then a rank (:func:`controller_restart`). ``etcd``:
+    the same job on etcd and on the embedded store (:func:`bench_etcd`). Without
+    ``etcd_endpoint`` an etcd of its own is started (Debian's etcd-server)."""
     from pitstop.launch.runs import run_job, wait_for_event
     from pitstop.runtime.faults import Fault
 
     root = Path(run_dir)
+    out: Dict[str, Any] = {"bench": "control"}
     ref = run_job(root / "reference", steps)
-    counts: Dict[str, int] = {}
+    if "fuzz" in parts:
+        counts: Dict[str, int] = {}
+
+        def during(rd: Path) -> None:
+            wait_for_event(rd, "roster")
+            info = json.loads((rd / "controller.json").read_text())
+            counts.update(fuzz_store(info["host"], info["port"], fuzz_s, seed=1))
+
+        fault = Fault.kill(rank=5).at(step=4, phase="backward")
+        res = run_job(root / "fuzzed", steps, standby=1, faults=fault.spec(), during=during,
+                      launch_args=["--hold-for-warm", "30"])
+        replaced = [e for e in res.of("replaced") if e.get("role") == 5]
+        same = (res.code == 0 and ref.code == 0 and len(res.losses) == steps
+                and all(res.losses.get(s) == ref.losses.get(s) for s in range(1, steps + 1))
+                and res.checksums == ref.checksums)
+        refused = res.of("refused")
+        out["fuzz"] = {
+            "messages": counts.get("writes", 0), "replays": counts.get("replays", 0),
+            "refused": len(refused), "refused_keys": len({e["key"] for e in refused}),
+            "job_ok": bool(same and replaced), "replaced": len(replaced),
+            "loss_identical": bool(same), "exit_code": res.code}
+    if "restart" in parts or "etcd" in parts:
+        from pitstop.launch.etcd_server import EtcdServer
+
+        server = None if etcd_endpoint else EtcdServer(root / "etcd").start()
+        endpoint = etcd_endpoint or server.endpoint
+        try:
+            if "restart" in parts:
+                long_steps = max(steps, 40)  # the controller's restart (a Python start) spans many steps
+                long_ref = ref if long_steps == steps else run_job(root / "reference-long", long_steps)
+                cr, res = controller_restart(root / "controller-restart", endpoint, long_steps, kill_role=5)
+                cr["loss_identical"] = bool(res.code == 0 and long_ref.code == 0 and res.losses == long_ref.losses
+                                            and len(res.losses) == long_steps and res.checksums == long_ref.checksums)
+                cr["exit_code"] = res.code
+                out["controller_restart"] = cr
+            if "etcd" in parts:
+                out["etcd"] = bench_etcd(root / "etcd-runs", endpoint, steps=max(steps, 12))
+        finally:
+            if server is not None:
+                server.stop()
+    return out
+
+
+class CommitClock:
+    """When each step's loss line appeared in ``loss.jsonl`` (polled every 10 ms, in a thread)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / "loss.jsonl"
+        self.times: List[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                n = sum(1 for _ in self.path.open()) if self.path.exists() else 0
+            except OSError:
+                n = len(self.times)
+            now = time.time()
+            while len(self.times) < n:
+                self.times.append(now)
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def longest_gap(self, t0: float, t1: float) -> Tuple[float, int]:
+        """(the longest wait for a commit that ended in (t0, t1], commits in (t0, t1])."""
+        gaps, n = [], 0
+        for a, b in zip(self.times, self.times[1:]):
+            if t0 < b <= t1:
+                gaps.append(b - max(a, t0))
+                n += 1
+        return (max(gaps) if gaps else t1 - t0), n
+
+
+def controller_restart(run_dir: Path, endpoint: str, steps: int, kill_role: int, nproc: int = 8,
+                       gpt: Optional[List[str]] = None) -> Tuple[Dict[str, Any], Any]:
+    """One etcd-backed job with a standby: at step 6 the controller is SIGKILLed; its supervisor
+    starts it again and it re-attaches; then the process of ``kill_role`` is SIGKILLed (a real
+    signal, at whatever point of its step it is in) and must be replaced.
+
+    ``training_paused_s`` compares the longest wait for a commit while the controller was
+    down with the longest one between steps 2 and 6 of the same run (steps before the
+    kill): 0 when training did not wait for the controller."""
+    from pitstop.launch.runs import run_job, wait_for_event, wait_for_step
+
+    seen: Dict[str, Any] = {}
+    clock: List[CommitClock] = []
 
     def during(rd: Path) -> None:
-        wait_for_event(rd, "roster")
-        info = json.loads((rd / "controller.json").read_text())
-        counts.update(fuzz_store(info["host"], info["port"], fuzz_s, seed=1))
+        clock.append(CommitClock(rd))
+        wait_for_step(rd, 6)
+        pid = json.loads((rd / "controller.json").read_text())["pid"]
+        seen["killed_at"] = time.time()
+        os.kill(pid, signal.SIGKILL)
+        back = wait_for_event(rd, "controller-resumed", timeout=120)[0]
+        seen["back_at"] = back["time"]
+        seen["controller_pid"], seen["resumed_pid"] = pid, back["pid"]
+        roster = json.loads((rd / "roster.json").read_text())
+        seen["victim"] = roster["roles"][kill_role]["pid"]
+        seen["role_killed_at"] = time.time()
+        os.kill(seen["victim"], signal.SIGKILL)
 
-    fault = Fault.kill(rank=5).at(step=4, phase="backward")
-    res = run_job(root / "fuzzed", steps, standby=1, faults=fault.spec(), during=during,
-                  launch_args=["--hold-for-warm", "30"])
-    replaced = [e for e in res.of("replaced") if e.get("role") == 5]
-    same = (res.code == 0 and ref.code == 0 and len(res.losses) == steps
-            and all(res.losses.get(s) == ref.losses.get(s) for s in range(1, steps + 1))
-            and res.checksums == ref.checksums)
-    refused = res.of("refused")
-    return {"bench": "control", "fuzz": {
-        "messages": counts.get("writes", 0), "replays": counts.get("replays", 0),
-        "refused": len(refused), "refused_keys": len({e["key"] for e in refused}),
-        "job_ok": bool(same and replaced), "replaced": len(replaced),
-        "loss_identical": bool(same), "exit_code": res.code}}
+    res = run_job(run_dir, steps, standby=1, nproc=nproc, gpt=gpt, during=during, timeout=600,
+                  launch_args=["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint])
+    c = clock[0] if clock else None
+    if c is not None:
+        c.stop()
+    out: Dict[str, Any] = {"replaced_after_restart": False, "training_paused_s": None}
+    if c is not None and "back_at" in seen:
+        down_gap, down_steps = c.longest_gap(seen["killed_at"], seen["back_at"])
+        before_gap, _ = c.longest_gap(c.times[1] if len(c.times) > 1 else 0.0, seen["killed_at"])
+        rep = [e for e in res.of("replaced") if e.get("role") == kill_role and e["time"] > seen["back_at"]]
+        out.update(
+            controller_down_s=round(seen["back_at"] - seen["killed_at"], 3),
+            steps_while_down=down_steps,
+            longest_commit_wait_down_s=round(down_gap, 4), longest_commit_wait_before_s=round(before_gap, 4),
+            training_paused_s=round(max(0.0, down_gap - before_gap), 4),
+            replaced_after_restart=bool(rep), replaced=rep[0] if rep else None,
+            controller_lost_events=len(res.of("controller-lost")),
+        )
+    return out, res
+
+
+def _steady(res) -> Optional[float]:
+    """The median committed step time of a run (steps 3 and later: step 1 builds, 2 warms)."""
+    xs = [float(d["step_time_s"]) for d in _loss_lines(res.run_dir) if d["step"] >= 3]
+    return statistics.median(xs) if xs else None
+
+
+def _loss_lines(run_dir: Path) -> List[dict]:
+    p = Path(run_dir) / "loss.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+
+
+def bench_etcd(root: Path, endpoint: str, steps: int = 12) -> Dict[str, Any]:
+    """The same world-8 job on the embedded TCPStore and on etcd, side by side: the steady step
+    (uninterrupted runs) and a replacement of rank 5 killed in step 4's backward pass."""
+    from pitstop.launch.runs import run_job
+    from pitstop.runtime.faults import Fault
+
+    etcd_args = ["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint]
+    tcp, etcd = run_job(root / "tcp-steady", steps), run_job(root / "etcd-steady", steps, launch_args=etcd_args)
+    fault = Fault.kill(rank=5).at(step=4, phase="backward").spec()
+    tcp_f = run_job(root / "tcp-fault", steps, standby=1, faults=fault)
+    etcd_f = run_job(root / "etcd-fault", steps, standby=1, faults=fault, launch_args=etcd_args)
+    s_tcp, s_etcd = _steady(tcp), _steady(etcd)
+    r_tcp = next((e for e in tcp_f.of("replaced") if e.get("role") == 5), None)
+    r_etcd = next((e for e in etcd_f.of("replaced") if e.get("role") == 5), None)
+    same = all(r.code == 0 for r in (tcp, etcd, tcp_f, etcd_f)) and \
+        all(r.losses == tcp.losses and r.checksums == tcp.checksums for r in (etcd, tcp_f, etcd_f))
+    return {
+        "steady_step_s_tcpstore": s_tcp, "steady_step_s_etcd": s_etcd,
+        "steady_overhead_pct": None if not (s_tcp and s_etcd) else round(100.0 * (s_etcd - s_tcp) / s_tcp, 2),
+        "unplanned_s": None if r_etcd is None else r_etcd["downtime_s"],
+        "unplanned_s_tcpstore": None if r_tcp is None else r_tcp["downtime_s"],
+        "ratio_vs_tcpstore": None if not (r_tcp and r_etcd) else round(r_etcd["downtime_s"] / r_tcp["downtime_s"], 3),
+        "breakdown_etcd": None if r_etcd is None else {k: r_etcd.get(k) for k in ("detect_s", "plan_s", "groups_s",
+                                                                                  "state_s", "first_step_s")},
+        "loss_identical": bool(same and r_tcp and r_etcd),
+    }

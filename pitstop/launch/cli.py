@@ -176,6 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=_count(6), default=10)
     c.add_argument("--fuzz-seconds", type=_seconds, default=60.0, metavar="S")
     c.add_argument("--run-dir", default="runs/bench-control")
+    c.add_argument("--parts", default="fuzz,restart,etcd", help="comma-separated subset of fuzz,restart,etcd")
+    c.add_argument("--etcd-endpoint", default=None, metavar="HOST:PORT", type=_endpoint,
+                   help="an etcd to use (default: start Debian's etcd-server on free loopback ports)")
     return p
 
 
@@ -209,9 +212,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.cmd == "bench" and args.bench == "control":
             from pitstop.launch.bench_control import bench_control
 
-            out = bench_control(run_dir=args.run_dir, steps=args.steps, fuzz_s=args.fuzz_seconds)
+            parts = tuple(x for x in args.parts.split(",") if x)
+            bad = [x for x in parts if x not in ("fuzz", "restart", "etcd")]
+            if bad or not parts:
+                raise PitstopError(f"--parts {args.parts!r}: expected a comma-separated subset of fuzz,restart,etcd")
+            out = bench_control(run_dir=args.run_dir, steps=args.steps, fuzz_s=args.fuzz_seconds, parts=parts,
+                                etcd_endpoint=args.etcd_endpoint)
             print(json.dumps(out) if args.json else json.dumps(out, indent=2))
-            return 0 if out["fuzz"]["job_ok"] else 1
+            ok = [out["fuzz"]["job_ok"]] if "fuzz" in out else []
+            ok += [out["controller_restart"]["replaced_after_restart"]] if "controller_restart" in out else []
+            return 0 if all(ok) else 1
         if args.cmd == "bench" and args.bench == "recovery":
             from pitstop.launch.bench_recovery import bench_recovery, bench_recovery_deepspeed
 

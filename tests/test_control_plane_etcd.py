@@ -1,0 +1,31 @@
+"""The control plane in etcd, through the real ``pitstop launch``: the controller is
+SIGKILLed while training runs, comes back by itself, and a rank killed afterwards is still
+replaced; losses and parameters bit for bit those of a run on the embedded store."""
+
+from __future__ import annotations
+
+import pytest
+
+from pitstop.launch.bench_control import controller_restart
+from pitstop.launch.runs import run_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+GPT4 = ["examples/train_gpt.py", "--tp", "2", "--pp", "1", "--checksum"]  # world 4: dp 2, so role 1 has a peer
+STEPS = 30
+
+
+def test_controller_sigkill_training_goes_on_and_a_later_failure_is_replaced_bitwise(etcd_endpoint, tmp_path):
+    ref = run_job(tmp_path / "ref", STEPS, nproc=4, gpt=GPT4)  # the embedded TCPStore, never interrupted
+    assert ref.code == 0 and sorted(ref.losses) == list(range(1, STEPS + 1)), ref.tails()
+    out, res = controller_restart(tmp_path / "run", etcd_endpoint, STEPS, kill_role=1, nproc=4, gpt=GPT4)
+    assert res.code == 0, res.tails()
+    assert out["controller_lost_events"] == 1, (out, res.tails())          # the supervisor saw the death
+    resumed = res.of("controller-resumed")
+    assert len(resumed) == 1 and resumed[0]["pid"] != out.get("controller_pid"), res.tails()
+    assert out["steps_while_down"] >= 1, (out, res.tails())               # training went on meanwhile
+    assert out["replaced_after_restart"], (out, res.tails())              # the restarted controller replaced it
+    rep = out["replaced"]
+    assert rep["role"] == 1 and rep["generation"] == 1, rep
+    assert res.losses == ref.losses, res.tails()
+    assert res.checksums == ref.checksums and len(res.checksums) == 4, res.tails()
