@@ -99,6 +99,17 @@ def test_errors_form_one_hierarchy():
      "the training script's argument --pitstop-collective-timeout: invalid float value: 'abc'"),
     (["launch", "--nproc-per-node", "2", "--", "examples/train_gpt.py", "--pitstop-heartbeat-timeout", "500"],
      "0.5 < 500.0 < 120.0"),
+    (["launch", "--nproc-per-node", "2", "--rdzv-backend", "etcd", "--", "examples/train_gpt.py"],
+     "--rdzv-backend etcd: give --rdzv-endpoint HOST:PORT"),
+    (["launch", "--nproc-per-node", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:0", "--",
+      "examples/train_gpt.py"], "'127.0.0.1:0': etcd runs on a port of its own, expected HOST:PORT with a port in 1..65535"),
+    (["launch", "--nproc-per-node", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:9", "--",
+      "examples/train_gpt.py"], "--rdzv-endpoint 127.0.0.1:9: etcd does not answer there"),
+    (["launch", "--nproc-per-node", "2", "--rdzv-backend", "zookeeper", "--", "examples/train_gpt.py"],
+     "--rdzv-backend: invalid choice: 'zookeeper'"),
+    (["launch", "--resume"], "launch.json does not exist (give the run directory of a job launched with --rdzv-backend etcd)"),
+    (["launch", "--resume", "--", "examples/train_gpt.py"], "--resume takes the job from --run-dir/launch.json: give no script"),
+    (["launch", "--", "examples/train_gpt.py"], "--nproc-per-node N is required"),
     (["drain", "--run-dir", "/nonexistent/run", "--rank", "1"], "/nonexistent/run/controller.json does not exist"),
     (["drain", "--run-dir", "/nonexistent/run", "--rank", "-3"], "--rank: '-3': expected an integer >= 0"),
     (["status", "--run-dir", "/nonexistent/run"], "'/nonexistent/run': no such run directory"),
@@ -241,3 +252,20 @@ print("inside", sorted(timeouts(reg)))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "outside [420.0]" in out.stdout and "inside [42.0]" in out.stdout, out.stdout + out.stderr[-2000:]
 
+
+
+def test_resume_refuses_a_job_whose_store_died_with_its_controller(tmp_path, capsys):
+    """--resume re-attaches only to an etcd-backed job: an embedded store is gone with its controller."""
+    import json
+
+    from pitstop.launch.controller import LaunchSpec
+
+    spec = LaunchSpec(["examples/train_gpt.py"], 2, run_dir=tmp_path)
+    (tmp_path / "launch.json").write_text(json.dumps(spec.to_json()))
+    assert LaunchSpec.from_json(spec.to_json()).to_json() == spec.to_json()  # the spec survives the file
+    assert _main_code(["launch", "--resume", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "ran with --rdzv-backend c10d" in err and "Only an etcd-backed job can be re-attached" in err, err
+    (tmp_path / "launch.json").write_text("{not json")
+    assert _main_code(["launch", "--resume", "--run-dir", str(tmp_path)]) == 2
+    assert "not a launch spec pitstop can resume" in capsys.readouterr().err

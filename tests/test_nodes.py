@@ -172,7 +172,7 @@ def test_a_machines_agent_answers_a_probe_once_and_not_a_replayed_one(tmp_path):
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     token = "k" * 64
-    agent = NodeAgent(3, "127.0.0.1", 1, ["true"], tmp_path, "127.0.0.1", master.port, token,
+    agent = NodeAgent(3, "127.0.0.1", 1, ["true"], tmp_path, f"127.0.0.1:{master.port}", token,
                       heartbeat_interval_s=0.01)
     rc = []
     th = threading.Thread(target=lambda: rc.append(agent.run()), daemon=True)

@@ -72,6 +72,8 @@ class LaunchSpec:
         if self.rdzv_backend == "etcd" and not self.rdzv_endpoint:
             raise PitstopError("--rdzv-backend etcd: give --rdzv-endpoint HOST:PORT, the address of an etcd "
                                "client URL (etcd's default port is 2379)")
+        if self.rdzv_backend == "etcd":
+            etcd_spec(self.rdzv_endpoint, "check")  # a port etcd can listen on, or an error naming it
         if self.nproc_per_node < 1:
             raise PitstopError(f"--nproc-per-node({self.nproc_per_node}) must be >= 1")
         if self.standby < 0:

@@ -74,9 +74,19 @@ def load_spec(run_dir: Path) -> LaunchSpec:
 def supervise(spec: LaunchSpec, resume: bool = False) -> int:
     """Run the controller in a child process until the job ends, restarting it when it dies."""
     run_dir = Path(spec.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     token = _token(spec, resume)
     job = job_id(token)
+    where = etcd_spec(spec.rdzv_endpoint, job)
+    from datetime import timedelta
+
+    from pitstop.store import connect
+
+    try:  # nothing starts half-way: etcd must answer first
+        connect(where, timeout=timedelta(seconds=10)).check(["ctl/done"])
+    except Exception as exc:  # noqa: BLE001 - refused, unreachable, not etcd
+        raise PitstopError(f"--rdzv-endpoint {spec.rdzv_endpoint}: etcd does not answer there "
+                           f"({str(exc).splitlines()[0][:200]})") from None
+    run_dir.mkdir(parents=True, exist_ok=True)
     events = EventLog(run_dir)
     if not resume:
         (run_dir / LAUNCH_FILE).write_text(json.dumps(spec.to_json(), indent=1))
@@ -84,13 +94,6 @@ def supervise(spec: LaunchSpec, resume: bool = False) -> int:
     os.environ.pop(ENV_TOKEN, None)  # the token travels to the children by their environment only
     head = None
     if not resume:
-        from pitstop.store import connect
-
-        where = etcd_spec(spec.rdzv_endpoint, job)
-        try:
-            connect(where).check(["ctl/done"])
-        except Exception as exc:  # noqa: BLE001 - nothing starts half-way
-            raise PitstopError(f"--rdzv-endpoint {spec.rdzv_endpoint}: etcd does not answer ({str(exc)[:200]})") from None
         head = start_head_agent(spec, token, where, spec.local_addr or "127.0.0.1")
     restarts = 0
     again = resume
