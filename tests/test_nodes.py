@@ -81,6 +81,33 @@ def test_remote_agents_report_a_silent_machine_and_one_that_never_joined(dict_st
     assert ra.start("w2", {}, 0).exit == "machine 0 is lost"          # nothing is sent to a lost machine
 
 
+def test_a_restarted_controller_takes_the_agents_view_and_finds_commands_sent_after_the_last_save(dict_store):
+    """RemoteAgents.state/restore round-trip through JSON; a start sent after the state was
+    saved is found in the store (returned for adoption) and its number is not reused."""
+    import json
+
+    from pitstop.launch.remote import RemoteAgents
+    from pitstop.protocol import Channel
+    from pitstop.runtime import keys
+
+    ch = Channel(dict_store, "t" * 64)
+    old = RemoteAgents(ch, "/nonexistent", 2, heartbeat_timeout_s=5.0, poll_s=0.0)
+    old.start("w0", {"RANK": "0", "PITSTOP_SLOT": "1"}, 0)
+    ch.put(keys.node(0, "hello"), {"node": 0, "host": "h", "addr": "127.0.0.2", "nproc": 1, "pid": 5})
+    ch.put(keys.node_event(0, "w0", "started"), {"pid": 77})
+    old.poll()
+    saved = json.loads(json.dumps(old.state()))
+    old.start("sb3", {"RANK": "-1", "PITSTOP_SLOT": "4", "PITSTOP_STANDBY": "1"}, 0)   # after the save
+    old.kill(old.procs["w0"])
+    new = RemoteAgents(ch, "/nonexistent", 2, heartbeat_timeout_s=5.0, poll_s=0.0)
+    found = new.restore(saved)
+    assert [(k, c["name"]) for k, c in found] == [(0, "sb3")]                # the start, not the kill
+    assert new.procs["w0"].pid == 77 and new.procs["sb3"].pid is None and new.alive(0) and not new.alive(1)
+    assert new.cmds[0] == 3                                                   # the next command is number 4
+    new.start("w9", {"RANK": "9"}, 0)
+    assert ch.read(keys.node_cmd(0, 4), None)["name"] == "w9"
+
+
 def test_a_reported_failure_confirms_a_silent_machine_sooner_but_never_a_beating_one(dict_store):
     """Heartbeat timeout 5 s, confirm 0.3 s. Without a report, 0.5 s of silence is nothing;
     after ``suspect()`` it is a loss, while machine 1, which keeps beating, stays."""

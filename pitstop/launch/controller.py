@@ -397,7 +397,7 @@ class Controller:
                  len(self.members), len(self.pool))
 
     def _take_state(self, st: Dict[str, Any]) -> None:
-        self.agent.restore(st["agents"])
+        unrecorded = self.agent.restore(st["agents"])
         procs = self.agent.procs
         self.next_slot, self.apply_next, self.epoch = st["next_slot"], st["apply_next"], st["epoch"]
         self.generation, self.next_join, self.drain_seen = st["generation"], st["next_join"], st["drain_seen"]
@@ -422,6 +422,16 @@ class Controller:
         self.finished, self.recorded, self.warm_seen = set(st["finished"]), set(st["recorded"]), set(st["warm_seen"])
         self.lost = {int(r): (procs[name], why) for r, name, why in st["lost"]}
         self.lost_at = time.monotonic()
+        for node, cmd in unrecorded:  # started after the last saved state: adopt, so its hello is admitted
+            env = cmd.get("env") or {}
+            slot, standby = int(env[ENV_SLOT]), env.get(ENV_STANDBY) == "1"
+            self.expected[slot] = {"proc": procs[cmd["name"]], "standby": standby,
+                                   "rank": None if standby else int(env["RANK"]), "node": node,
+                                   "machine": standby and "-n" in cmd["name"]}
+            self.next_slot = max(self.next_slot, slot + 1)
+            if standby and cmd["name"].startswith("sb"):
+                self.sb_count = max(self.sb_count, int(cmd["name"][2:].split("-")[0]))
+            self.events.write("adopted", name=cmd["name"], slot=slot, node=node)
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> None:

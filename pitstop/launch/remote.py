@@ -113,24 +113,31 @@ class RemoteAgents:
                 "cmds": [[k, n] for k, n in self.cmds.items()], "probes": self.probes,
                 "procs": [{"name": p.name, "node": p.node, "pid": p.pid, "exit": p.exit} for p in self.procs.values()]}
 
-    def restore(self, d: Dict) -> None:
+    def restore(self, d: Dict) -> List[tuple]:
         """Take over from a controller that died: its machines and processes, as it left them.
-        Every live machine's silence counts from now (the agents never stopped). A command
-        the old controller sent after its last saved state is found in the store, so its
-        number is not used twice."""
+        Every live machine's silence counts from now (the agents never stopped). Commands
+        the old controller sent after its last saved state are found in the store, so no
+        number is used twice; the processes they started are returned as ``(node, command)``
+        for the controller to adopt."""
         now = time.monotonic()
         for k, n in d["nodes"]:
             st = self.nodes[int(k)]
             st.hello, st.beats, st.lost, st.cause = n["hello"], int(n["beats"]), bool(n["lost"]), n["cause"]
             st.last_beat = now
-        for k, n in d["cmds"]:
-            n = int(n)
-            while self.ch.store.check([keys.node_cmd(int(k), n + 1)]):
-                n += 1
-            self.cmds[int(k)] = n
         self.probes = int(d["probes"])
         self.procs = {p["name"]: RemoteProc(p["name"], int(p["node"]), p["pid"], p["exit"]) for p in d["procs"]}
         self._started = now
+        unrecorded: List[tuple] = []
+        for k, n in d["cmds"]:
+            k, n = int(k), int(n)
+            while self.ch.store.check([keys.node_cmd(k, n + 1)]):
+                n += 1
+                cmd = self.ch.read(keys.node_cmd(k, n), protocol.NODE_CMD)
+                if cmd is not None and cmd["op"] == "start" and cmd["name"] not in self.procs:
+                    self.procs[cmd["name"]] = RemoteProc(cmd["name"], k)
+                    unrecorded.append((k, cmd))
+            self.cmds[k] = n
+        return unrecorded
 
     # ------------------------------------------------------------------ commands
     def _send(self, node: int, body: dict) -> None:
