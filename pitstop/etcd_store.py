@@ -164,6 +164,9 @@ class EtcdStore(dist.Store):
                 return kv
 
     def add(self, key: str, value: int) -> int:
+        if int(value) == 0:  # a read (polling a counter): no write, which etcd would commit to disk
+            kv, _ = self._range(key)
+            return self._counter(key, kv)
         k = self._key(key)
         out = self._txn([{"key": k, "result": "EQUAL", "target": "VERSION", "version": 0}],
                         [{"request_put": {"key": k, "value": _b64(str(int(value)))}}],
@@ -182,6 +185,13 @@ class EtcdStore(dist.Store):
             if out.get("succeeded"):
                 return new
         return int(value)
+
+    @staticmethod
+    def _counter(key: str, kv: Optional[dict]) -> int:
+        try:
+            return 0 if kv is None else int(_unb64(kv.get("value")))
+        except ValueError:
+            raise ValueError(f"etcd store: add({key!r}) on a value that is not a counter") from None
 
     def compare_set(self, key: str, expected, desired) -> bytes:
         k = self._key(key)
@@ -245,6 +255,7 @@ class MirroredEtcdStore(EtcdStore):
         super().__init__(*args, **kwargs)
         self._copy: dict = {}  # key (without prefix) -> (value bytes or None for deleted, mod_revision)
         self._copy_lock = threading.Lock()
+        self._arrived = threading.Condition(self._copy_lock)  # notified on every change of the copy
         self._stream = None
         self._closed = threading.Event()
         self._synced = threading.Event()
@@ -258,6 +269,7 @@ class MirroredEtcdStore(EtcdStore):
             held = self._copy.get(key)
             if held is None or rev > held[1]:
                 self._copy[key] = (value, rev)
+                self._arrived.notify_all()
 
     def _sync(self) -> int:
         end = self.prefix[:-1] + chr(ord(self.prefix[-1]) + 1)
@@ -329,6 +341,33 @@ class MirroredEtcdStore(EtcdStore):
         if held is not None and held[0] is not None:
             return held[0]
         return super().get(key)
+
+    def wait(self, keys: Sequence[str], timeout: Optional[timedelta] = None) -> None:
+        """Until every key is in the copy (the watch brings it): no request, no stream of its own.
+        If the watch is broken, the deadline still holds."""
+        limit = (self._timeout if timeout is None else timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        with self._arrived:
+            while True:
+                missing = [k for k in keys if (h := self._copy.get(k)) is None or h[0] is None]
+                if not missing:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise dist.DistStoreError(f"etcd store: timed out after {limit:.0f}s waiting for key "
+                                              f"{missing[0]!r}")
+                self._arrived.wait(min(left, 1.0))
+
+    def add(self, key: str, value: int) -> int:
+        if int(value) == 0:  # polling a counter: from the copy
+            held = self._held(key)
+            if held is None or held[0] is None:
+                return 0
+            try:
+                return int(held[0])
+            except ValueError:
+                raise ValueError(f"etcd store: add({key!r}) on a value that is not a counter") from None
+        return super().add(key, value)
 
     def check(self, keys: Sequence[str]) -> bool:
         """From the copy alone: a polling loop's misses must not cost a round trip each."""

@@ -107,7 +107,7 @@ def reachable(spec: str, timeout_s: float = 2.0) -> bool:
     return True
 
 
-def connect_from_env(timeout: timedelta = timedelta(minutes=5)) -> dist.Store:
+def connect_from_env(timeout: timedelta = timedelta(minutes=5), mirrored: bool = False) -> dist.Store:
     """Connect to the control store named by the environment.
 
     ``PITSTOP_STORE`` (set by ``pitstop`` launchers: ``HOST:PORT``, or
@@ -116,7 +116,7 @@ def connect_from_env(timeout: timedelta = timedelta(minutes=5)) -> dist.Store:
     says the agent does.
     """
     if os.environ.get(ENV_STORE):
-        return connect(os.environ[ENV_STORE], timeout)
+        return connect(os.environ[ENV_STORE], timeout, mirrored=mirrored)
     try:
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         rank = int(os.environ["RANK"])

@@ -154,3 +154,36 @@ def test_mirrored_reads_follow_other_writers_and_own_writes(etcd_endpoint):
         assert m.get("later") == b"4"                                    # a miss blocks, as TCPStore's get
     finally:
         m.close()
+
+
+def test_mirrored_wait_is_woken_by_the_watch_and_times_out(etcd_endpoint):
+    from pitstop.etcd_store import MirroredEtcdStore
+
+    spec = etcd_spec(etcd_endpoint, uuid.uuid4().hex[:12])
+    other = connect(spec, timeout=timedelta(seconds=10))
+    m = MirroredEtcdStore(*parse_spec(spec)[1:], timeout=timedelta(seconds=1))
+    try:
+        threading.Timer(0.2, lambda: (other.set("a", b"1"), other.set("b", b"2"))).start()
+        t0 = time.monotonic()
+        m.wait(["a", "b"], timedelta(seconds=10))
+        assert 0.15 < time.monotonic() - t0 < 5 and m.get("b") == b"2"
+        with pytest.raises(dist.DistStoreError, match="timed out after 1s waiting for key 'c'"):
+            m.wait(["a", "c"])
+    finally:
+        m.close()
+
+
+def test_adding_zero_reads_without_writing(etcd_endpoint):
+    from pitstop.etcd_store import MirroredEtcdStore
+
+    spec = etcd_spec(etcd_endpoint, uuid.uuid4().hex[:12])
+    st = connect(spec, timeout=timedelta(seconds=10))
+    assert st.add("n", 0) == 0 and not st.check(["n"])            # polling a missing counter creates nothing
+    st.add("n", 3)
+    rev = st._range("n")[0]["mod_revision"]
+    assert st.add("n", 0) == 3 and st._range("n")[0]["mod_revision"] == rev   # no write
+    m = MirroredEtcdStore(*parse_spec(spec)[1:], timeout=timedelta(seconds=10))
+    try:
+        assert m.add("n", 0) == 3 and m.add("n", 2) == 5
+    finally:
+        m.close()

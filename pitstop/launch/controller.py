@@ -342,7 +342,7 @@ class Controller:
             "next_slot": self.next_slot, "apply_next": self.apply_next, "epoch": self.epoch,
             "generation": self.generation, "next_join": self.next_join, "drain_seen": self.drain_seen,
             "sb_count": self.sb_count, "standbys_taken": self.standbys_taken, "warm_all": self.warm_all,
-            "committed": list(self.committed) if self.committed else None,
+            # not the last commit: it moves every step, and the store holds it (ctl/committed)
             "poison_seen": list(self.poison_seen) if self.poison_seen else None,
             "expected": [{"slot": sl, "proc": e["proc"].name, "standby": e["standby"], "rank": e["rank"],
                           "node": e.get("node", 0), "machine": e.get("machine", False)} for sl, e in self.expected.items()],
@@ -363,13 +363,13 @@ class Controller:
         }
 
     def _persist(self) -> None:
-        """Write :meth:`_state` to the store when it changed (at most every 20 ms): with etcd, a
+        """Write :meth:`_state` to the store when it changed (at most every 0.1 s): with etcd, a
         restarted controller re-attaches from it. A no-op with the embedded store, which
         dies with this process anyway."""
         if self.spec.rdzv_backend != "etcd":
             return
         now = time.monotonic()
-        if now - self._persist_at < 0.02:
+        if now - self._persist_at < 0.1:
             return
         self._persist_at = now
         text = json.dumps(self._state(), sort_keys=True)
@@ -402,7 +402,8 @@ class Controller:
         self.next_slot, self.apply_next, self.epoch = st["next_slot"], st["apply_next"], st["epoch"]
         self.generation, self.next_join, self.drain_seen = st["generation"], st["next_join"], st["drain_seen"]
         self.sb_count, self.standbys_taken, self.warm_all = st["sb_count"], st["standbys_taken"], st["warm_all"]
-        self.committed = tuple(st["committed"]) if st["committed"] else None
+        self.committed = None
+        self._read_committed()
         self.poison_seen = tuple(st["poison_seen"]) if st["poison_seen"] else None
         self.expected = {e["slot"]: {"proc": procs[e["proc"]], "standby": e["standby"], "rank": e["rank"],
                                      "node": e["node"], "machine": e["machine"]} for e in st["expected"]}

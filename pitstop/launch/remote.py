@@ -108,7 +108,8 @@ class RemoteAgents:
     # ------------------------------------------------------------------ a restarted controller
     def state(self) -> Dict:
         """JSON: the machines, the command counters and the processes (see :meth:`restore`)."""
-        return {"nodes": [[k, {"hello": st.hello, "beats": st.beats, "lost": st.lost, "cause": st.cause}]
+        # not the beat counts: they move every beat; a restored machine's next beat is news anyway
+        return {"nodes": [[k, {"hello": st.hello, "lost": st.lost, "cause": st.cause}]
                           for k, st in self.nodes.items()],
                 "cmds": [[k, n] for k, n in self.cmds.items()], "probes": self.probes,
                 "procs": [{"name": p.name, "node": p.node, "pid": p.pid, "exit": p.exit} for p in self.procs.values()]}
@@ -122,8 +123,9 @@ class RemoteAgents:
         now = time.monotonic()
         for k, n in d["nodes"]:
             st = self.nodes[int(k)]
-            st.hello, st.beats, st.lost, st.cause = n["hello"], int(n["beats"]), bool(n["lost"]), n["cause"]
-            st.last_beat = now
+            st.hello, st.lost, st.cause = n["hello"], bool(n["lost"]), n["cause"]
+            hb = self.ch.read(keys.node(int(k), "hb"), protocol.HEARTBEAT)
+            st.beats, st.last_beat = (hb["n"] if hb else 0), now
         self.probes = int(d["probes"])
         self.procs = {p["name"]: RemoteProc(p["name"], int(p["node"]), p["pid"], p["exit"]) for p in d["procs"]}
         self._started = now

@@ -296,7 +296,8 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
         _CURRENT = Membership(rank, world, int(os.environ.get(ENV_GENERATION, 0)), "worker", config=cfg)
         return _CURRENT
     token = protocol.take_token_from_env()  # the script's own children do not inherit it
-    store = connect_from_env(timeout=timedelta(seconds=max(300.0, cfg.collective_timeout_s)))
+    # on etcd: reads and waits from a watched copy (the step vote waits on it every step)
+    store = connect_from_env(timeout=timedelta(seconds=max(300.0, cfg.collective_timeout_s)), mirrored=True)
     ch = Channel(store, token, _log_refused)
     standby = os.environ.get(ENV_STANDBY) == "1"
     slot = _authenticate(ch, standby, None if standby else int(os.environ["RANK"]))
