@@ -29,3 +29,41 @@ def test_controller_sigkill_training_goes_on_and_a_later_failure_is_replaced_bit
     assert rep["role"] == 1 and rep["generation"] == 1, rep
     assert res.losses == ref.losses, res.tails()
     assert res.checksums == ref.checksums and len(res.checksums) == 4, res.tails()
+
+
+def test_resume_from_another_shell_when_the_launcher_itself_is_gone(etcd_endpoint, tmp_path):
+    """`pitstop launch` and its controller both SIGKILLed; `pitstop launch --resume --run-dir D`
+    re-attaches to the workers the head agent kept running, and the job ends bitwise."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    from pitstop.launch.runs import PITSTOP, ROOT, collect, wait_for_step
+
+    steps = 20
+    ref = run_job(tmp_path / "ref", steps, nproc=4, gpt=GPT4)
+    assert ref.code == 0, ref.tails()
+    rd = tmp_path / "run"
+    rd.mkdir()
+    cmd = PITSTOP + ["launch", "--nproc-per-node", "4", "--standby", "1", "--run-dir", str(rd), "--rdzv-backend", "etcd",
+                     "--rdzv-endpoint", etcd_endpoint, "--"] + GPT4 + [
+        "--steps", str(steps), "--loss-file", str(rd / "loss.jsonl"), "--data-cache-path", str(rd / "data-cache")]
+    with open(rd / "launcher.log", "w") as log:
+        launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for_step(rd, 4)
+            controller = json.loads((rd / "controller.json").read_text())["pid"]
+            os.kill(launcher.pid, signal.SIGKILL)
+            os.kill(controller, signal.SIGKILL)
+            launcher.wait(30)
+        except BaseException:
+            launcher.kill()
+            print(collect(rd, -9).tails())
+            raise
+    again = subprocess.run(PITSTOP + ["launch", "--resume", "--run-dir", str(rd)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+    res = collect(rd, again.returncode)
+    assert again.returncode == 0, again.stderr[-3000:] + res.tails()
+    assert len(res.of("controller-resumed")) == 1 and len(res.of("done")) == 1, res.tails()
+    assert res.losses == ref.losses and res.checksums == ref.checksums, res.tails()
