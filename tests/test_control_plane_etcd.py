@@ -67,3 +67,24 @@ def test_resume_from_another_shell_when_the_launcher_itself_is_gone(etcd_endpoin
     assert again.returncode == 0, again.stderr[-3000:] + res.tails()
     assert len(res.of("controller-resumed")) == 1 and len(res.of("done")) == 1, res.tails()
     assert res.losses == ref.losses and res.checksums == ref.checksums, res.tails()
+
+
+def test_a_drain_through_etcd_is_bitwise(etcd_endpoint, tmp_path):
+    """`pitstop drain` finds the job's keys in etcd through controller.json (mode 0600)."""
+    from pitstop.launch.controller import request_drain
+    from pitstop.launch.runs import wait_for_event, wait_for_step
+
+    steps = 14
+    ref = run_job(tmp_path / "ref", steps, nproc=4, gpt=GPT4)
+
+    def during(rd):
+        wait_for_event(rd, "warmed")
+        wait_for_step(rd, 4)
+        assert request_drain(rd, rank=1) == 1
+
+    res = run_job(tmp_path / "run", steps, standby=1, nproc=4, gpt=GPT4, during=during,
+                  launch_args=["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_endpoint])
+    assert res.code == 0, res.tails()
+    dr = res.of("drained")
+    assert len(dr) == 1 and dr[0]["role"] == 1 and dr[0]["generation"] == 1, res.tails()
+    assert res.losses == ref.losses and res.checksums == ref.checksums, res.tails()
