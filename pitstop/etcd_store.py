@@ -174,24 +174,35 @@ class EtcdStore(dist.Store):
         if int(value) == 0:  # a read (polling a counter): no write, which etcd would commit to disk
             kv, _ = self._range(key)
             return self._counter(key, kv)
+        return self._add_from(key, int(value), None)
+
+    def _add_from(self, key: str, value: int, guess: Optional[Tuple[int, int]]) -> int:
+        """Add by compare-and-put on the key's revision, starting from ``guess`` (value,
+        mod_revision) when one is known (one round trip if it is still current), else by
+        creating the key (one round trip if it is new). A conflict's answer carries the
+        current value, so each retry is one round trip too."""
         k = self._key(key)
-        out = self._txn([{"key": k, "result": "EQUAL", "target": "VERSION", "version": 0}],
-                        [{"request_put": {"key": k, "value": _b64(str(int(value)))}}],
-                        [{"request_range": {"key": k}}])
-        while not out.get("succeeded"):
-            kv = self._failure_kv(out)
-            if kv is None:  # deleted between the two: start again from zero
-                return self.add(key, value)
-            try:
-                new = int(_unb64(kv.get("value"))) + int(value)
-            except ValueError:
-                raise ValueError(f"etcd store: add({key!r}) on a value that is not a counter") from None
-            out = self._txn([{"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": kv["mod_revision"]}],
-                            [{"request_put": {"key": k, "value": _b64(str(new))}}],
+        if guess is None:
+            cmp = {"key": k, "result": "EQUAL", "target": "VERSION", "version": 0}
+            new = value
+        else:
+            cmp = {"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": guess[1]}
+            new = guess[0] + value
+        while True:
+            out = self._txn([cmp], [{"request_put": {"key": k, "value": _b64(str(new))}}],
                             [{"request_range": {"key": k}}])
             if out.get("succeeded"):
+                self._added(key, new, int(out["header"]["revision"]))
                 return new
-        return int(value)
+            kv = self._failure_kv(out)
+            if kv is None:  # deleted meanwhile: create it
+                cmp, new = {"key": k, "result": "EQUAL", "target": "VERSION", "version": 0}, value
+                continue
+            new = self._counter(key, kv) + value
+            cmp = {"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": kv["mod_revision"]}
+
+    def _added(self, key: str, value: int, rev: int) -> None:
+        """A successful add (the mirrored store keeps it)."""
 
     @staticmethod
     def _counter(key: str, kv: Optional[dict]) -> int:
@@ -287,10 +298,12 @@ class MirroredEtcdStore(EtcdStore):
 
     def _follow(self) -> None:
         n = len(self.prefix)
+        pause = 0.1
         while not self._closed.is_set():
             try:
                 rev = self._sync()
                 self._synced.set()
+                pause = 0.1
                 for ev in self._events(rev + 1):
                     kv = ev["kv"]
                     self._note(_unb64(kv["key"]).decode()[n:], None if ev.get("type") == "DELETE" else
@@ -298,8 +311,10 @@ class MirroredEtcdStore(EtcdStore):
             except Exception as exc:  # noqa: BLE001 - the stream broke: re-sync, unless closing
                 if self._closed.is_set():
                     return
-                log.warning("etcd mirror of %s: the watch broke (%s); re-syncing", self.prefix, exc)
-                time.sleep(0.2)
+                if pause == 0.1:  # once per outage, not once per retry
+                    log.warning("etcd mirror of %s: the watch broke (%s); re-syncing", self.prefix, exc)
+                time.sleep(pause)
+                pause = min(2.0, pause * 2)
 
     def _events(self, start_revision: int):
         """The watch stream on the whole prefix, one JSON object per line (etcd's gateway), read
@@ -374,7 +389,17 @@ class MirroredEtcdStore(EtcdStore):
                 return int(held[0])
             except ValueError:
                 raise ValueError(f"etcd store: add({key!r}) on a value that is not a counter") from None
-        return super().add(key, value)
+        held = self._held(key)
+        guess = None
+        if held is not None and held[0] is not None:
+            try:
+                guess = (int(held[0]), held[1])
+            except ValueError:
+                guess = None  # etcd answers with the real value and the error
+        return self._add_from(key, int(value), guess)
+
+    def _added(self, key: str, value: int, rev: int) -> None:
+        self._note(key, str(value).encode(), rev)
 
     def check(self, keys: Sequence[str]) -> bool:
         """From the copy alone: a polling loop's misses must not cost a round trip each."""

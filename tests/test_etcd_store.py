@@ -187,3 +187,30 @@ def test_adding_zero_reads_without_writing(etcd_endpoint):
         assert m.add("n", 0) == 3 and m.add("n", 2) == 5
     finally:
         m.close()
+
+
+def test_mirrored_adds_stay_atomic_under_contention(etcd_endpoint):
+    """Each mirrored client guesses from its copy; a stale guess must cost a retry, never a lost count."""
+    from pitstop.etcd_store import MirroredEtcdStore
+
+    spec = etcd_spec(etcd_endpoint, uuid.uuid4().hex[:12])
+    stores = [MirroredEtcdStore(*parse_spec(spec)[1:], timeout=timedelta(seconds=10)) for _ in range(4)]
+    results = []
+    try:
+        def bump(s):
+            for _ in range(10):
+                results.append(s.add("n", 1))
+
+        threads = [threading.Thread(target=bump, args=(s,)) for s in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results) == list(range(1, 41))
+        assert stores[0].add("n", 5) == 45
+        stores[1].set("junk", b"x")
+        with pytest.raises(ValueError, match="not a counter"):
+            stores[1].add("junk", 1)
+    finally:
+        for s in stores:
+            s.close()

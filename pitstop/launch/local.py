@@ -24,12 +24,6 @@ def worker_env(rank: int, world_size: int, local_rank: int, host: str, port: Opt
     """The environment torchrun gives a worker, plus pitstop's own variables. ``store``: the
     control store's address when it is not a ``TCPStore`` at ``host:port`` (etcd: then no
     ``MASTER_PORT``, as there is no ``TCPStore`` for ``env://`` to reach)."""
-    if store is not None:
-        env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
-               "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "MASTER_ADDR": host, ENV_STORE: store,
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
-        env.update(extra or {})
-        return env
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
@@ -37,12 +31,12 @@ def worker_env(rank: int, world_size: int, local_rank: int, host: str, port: Opt
         "LOCAL_WORLD_SIZE": str(world_size),
         "GROUP_RANK": "0",
         "MASTER_ADDR": host,
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        ENV_STORE: f"{host}:{port}",
+        ENV_STORE: store if store is not None else f"{host}:{port}",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "PYTHONUNBUFFERED": "1",
     }
+    if store is None:  # a TCPStore that torchrun's env:// could reach too
+        env.update({"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
     env.update(extra or {})
     return env
 

@@ -105,9 +105,11 @@ def controller_lost(who: str, exc: BaseException) -> None:
     """Stop this process cleanly because the control store is gone: one clear log line, no
     traceback, exit status :data:`EXIT_CONTROLLER_LOST`. With the embedded store that means
     the controller died; a relaunch resumes from the last ``--save-interval`` checkpoint."""
-    log.error("%s the control store %s is gone (%s): the controller died; stopping (exit %d). A relaunch "
-              "resumes from the last checkpoint, if --save-interval made one", who, os.environ.get(ENV_STORE),
-              str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__, EXIT_CONTROLLER_LOST)
+    where = os.environ.get(ENV_STORE, "")
+    cause = "etcd does not answer" if store_mod.is_etcd(where) else "the controller died"
+    log.error("%s the control store %s is gone (%s): %s; stopping (exit %d). A relaunch "
+              "resumes from the last checkpoint, if --save-interval made one", who, where,
+              str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__, cause, EXIT_CONTROLLER_LOST)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
