@@ -97,7 +97,7 @@ def bench_control(run_dir: str = "runs/bench-control", steps: int = 10, fuzz_s: 
 
     root = Path(run_dir)
     out: Dict[str, Any] = {"bench": "control"}
-    ref = run_job(root / "reference", steps)
+    ref = run_job(root / "reference", steps) if ("fuzz" in parts or "restart" in parts) else None
     if "fuzz" in parts:
         counts: Dict[str, int] = {}
 
