@@ -86,7 +86,6 @@ class EtcdStore(dist.Store):
         self._request_timeout_s = request_timeout_s
         # "/v3/" is etcd 3.4's gateway path; naming it spares etcd3gw a discovery request
         self._client = etcd3gw.client(host=host, port=self.port, timeout=request_timeout_s, api_path="/v3/")
-        self._lock = threading.Lock()
         _ALIVE.append(self)
 
     # ------------------------------------------------------------------ wire
