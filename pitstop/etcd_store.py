@@ -144,30 +144,58 @@ class EtcdStore(dist.Store):
                 self._watch_for(k, rev, deadline)
 
     def _watch_for(self, key: str, rev: int, deadline: float) -> dict:
-        """Block until ``key`` is written after revision ``rev`` (the read that missed it)."""
-        from etcd3gw import exceptions as ex
-
+        """Block until ``key`` is written after revision ``rev`` (the read that missed it). Each
+        read of the stream is bounded (5 s at most), then the key is looked up again, so a
+        stream that went quiet cannot hang us past the deadline."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise dist.DistStoreError(f"etcd store: timed out "
-                                          f"waiting for key {key!r}")
+                raise dist.DistStoreError(f"etcd store: timed out waiting for key {key!r}")
             try:
-                ev = self._client.watch_once(self.prefix + key, timeout=min(left, 5.0), start_revision=rev + 1)
-            except ex.WatchTimedOut:
-                kv, rev = self._range(key)  # a bounded watch: look again, so a lost stream cannot hang us
-                if kv is not None:
-                    return kv
-                continue
-            except Exception as exc:  # noqa: BLE001 - the stream broke: etcd went away
+                for ev in self._watch_stream(self._key(key), None, rev + 1, read_timeout_s=min(left, 5.0)):
+                    if ev.get("type") != "DELETE":
+                        return ev["kv"]
+            except TimeoutError:
+                pass
+            except (OSError, ValueError) as exc:  # the stream broke: etcd went away
                 raise EtcdUnavailable(f"etcd at {self.host}:{self.port}: watch on {key!r} failed: {exc}") from None
-            if ev.get("type", "PUT") == "PUT":
-                kv = dict(ev["kv"])
-                kv["value"] = _b64(kv.get("value") or b"")  # etcd3gw decoded it; keep the range's encoding
-                return kv
-            kv, rev = self._range(key)  # deleted meanwhile: wait for the next write
+            kv, rev = self._range(key)
             if kv is not None:
                 return kv
+
+    def _watch_stream(self, key_b64: str, range_end_b64: Optional[str], start_revision: int,
+                      read_timeout_s: Optional[float] = None, on_socket=None):
+        """Events of a v3 watch from ``start_revision``: one JSON object per line of etcd's
+        gateway stream, over a socket of this call's own (``on_socket`` gets it, so another
+        thread can shut it down). Not etcd3gw's watcher: it runs in a non-daemon thread pool,
+        so a stream that never ends holds up exit, and closing a ``requests`` response that
+        another thread reads blocks."""
+        import http.client
+
+        req: dict = {"key": key_b64, "start_revision": start_revision}
+        if range_end_b64 is not None:
+            req["range_end"] = range_end_b64
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=10)
+        try:
+            conn.request("POST", "/v3/watch", json.dumps({"create_request": req}), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise EtcdUnavailable(f"etcd refused the watch: HTTP {resp.status}")
+            conn.sock.settimeout(read_timeout_s)
+            if on_socket is not None and on_socket(conn.sock):
+                return
+            while True:
+                line = resp.readline()
+                if not line:
+                    raise EtcdUnavailable("etcd closed the watch stream")
+                if not line.strip():
+                    continue
+                result = json.loads(line).get("result") or {}
+                if result.get("canceled"):
+                    raise EtcdUnavailable(f"etcd cancelled the watch: {result.get('cancel_reason', '')}")
+                yield from result.get("events") or []
+        finally:
+            conn.close()
 
     def add(self, key: str, value: int) -> int:
         if int(value) == 0:  # a read (polling a counter): no write, which etcd would commit to disk
@@ -239,7 +267,8 @@ class EtcdStore(dist.Store):
         return self._timeout
 
     def clone(self) -> "EtcdStore":
-        """Another client of the same keys (a thread of its own uses its own, as with TCPStore)."""
+        """Another client of the same keys (a thread of its own uses its own, as with TCPStore);
+        a plain one, also for a mirrored store (its users are rendezvous, not polling loops)."""
         return EtcdStore(self.host, self.port, self.prefix, self._timeout, self._request_timeout_s)
 
     def reachable(self) -> bool:
@@ -316,37 +345,14 @@ class MirroredEtcdStore(EtcdStore):
                 pause = min(2.0, pause * 2)
 
     def _events(self, start_revision: int):
-        """The watch stream on the whole prefix, one JSON object per line (etcd's gateway), read
-        in a daemon thread of this process's own over a socket that :meth:`close` shuts down:
-        a stream that never ends must not hold up exit (etcd3gw's watcher runs in a non-daemon
-        thread pool, and closing a response another thread reads blocks)."""
-        import http.client
-
+        """The watch stream on the whole prefix; :meth:`close` shuts its socket down."""
         end = self.prefix[:-1] + chr(ord(self.prefix[-1]) + 1)
-        body = json.dumps({"create_request": {"key": _b64(self.prefix), "range_end": _b64(end),
-                                              "start_revision": start_revision}})
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=10)
-        try:
-            conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise EtcdUnavailable(f"etcd refused the watch: HTTP {resp.status}")
-            conn.sock.settimeout(None)
-            self._stream = conn.sock
-            if self._closed.is_set():
-                return
-            while True:
-                line = resp.readline()
-                if not line:
-                    raise EtcdUnavailable("etcd closed the watch stream")
-                if not line.strip():
-                    continue
-                result = json.loads(line).get("result") or {}
-                if result.get("canceled"):
-                    raise EtcdUnavailable(f"etcd cancelled the watch: {result.get('cancel_reason', '')}")
-                yield from result.get("events") or []
-        finally:
-            conn.close()
+
+        def keep(sock) -> bool:
+            self._stream = sock
+            return self._closed.is_set()
+
+        return self._watch_stream(_b64(self.prefix), _b64(end), start_revision, on_socket=keep)
 
     def _held(self, key: str):
         with self._copy_lock:
@@ -408,9 +414,6 @@ class MirroredEtcdStore(EtcdStore):
         out = self._post("/kv/deleterange", {"key": self._key(key)})
         self._note(key, None, int(out["header"]["revision"]))
         return int(out.get("deleted", 0)) > 0
-
-    def clone(self) -> "EtcdStore":
-        return EtcdStore(self.host, self.port, self.prefix, self._timeout, self._request_timeout_s)
 
     def close(self) -> None:
         self._closed.set()

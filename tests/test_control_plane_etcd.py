@@ -22,7 +22,7 @@ def test_controller_sigkill_training_goes_on_and_a_later_failure_is_replaced_bit
     assert res.code == 0, res.tails()
     assert out["controller_lost_events"] == 1, (out, res.tails())          # the supervisor saw the death
     resumed = res.of("controller-resumed")
-    assert len(resumed) == 1 and resumed[0]["pid"] != out.get("controller_pid"), res.tails()
+    assert len(resumed) == 1 and resumed[0]["pid"] == out["resumed_pid"] != out["controller_pid"], res.tails()
     assert out["steps_while_down"] >= 1, (out, res.tails())               # training went on meanwhile
     assert out["replaced_after_restart"], (out, res.tails())              # the restarted controller replaced it
     rep = out["replaced"]

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from pitstop.runtime import keys
-from pitstop.store import connect as store_connect
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +47,15 @@ def _junk(rng: random.Random, stolen: List[bytes]) -> bytes:
     return b"ps1." + b"0" * 64 + b"." + json.dumps({"role": 0, "generation": 1, "mode": "recover"}).encode()  # forged MAC
 
 
-def fuzz_store(host: str, port: Optional[int], seconds: float, seed: int = 0, period_s: float = 0.05,
+def fuzz_store(host: str, port: int, seconds: float, seed: int = 0, period_s: float = 0.05,
                stop: Optional[threading.Event] = None) -> Dict[str, int]:
     """Write junk onto every key of ``keys.all_patterns()`` for ``seconds`` (bounded, then stops).
 
     Values already in the store are read first and replayed onto other keys, or back
-    onto their own key later (a stale heartbeat). Returns how many writes of each kind.
-    ``port`` None: ``host`` is a store address (``etcd://...``)."""
+    onto their own key later (a stale heartbeat). Returns how many writes of each kind."""
     import torch.distributed as dist
 
-    st = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30)) if port else \
-        store_connect(host, timeout=timedelta(seconds=30))
+    st = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
     rng = random.Random(seed)
     names = keys.all_patterns()
     stolen: List[bytes] = []
@@ -220,6 +217,7 @@ def controller_restart(run_dir: Path, endpoint: str, steps: int, kill_role: int,
             longest_commit_wait_down_s=round(down_gap, 4), longest_commit_wait_before_s=round(before_gap, 4),
             training_paused_s=round(max(0.0, down_gap - before_gap), 4),
             replaced_after_restart=bool(rep), replaced=rep[0] if rep else None,
+            controller_pid=seen["controller_pid"], resumed_pid=seen["resumed_pid"],
             controller_lost_events=len(res.of("controller-lost")),
         )
     return out, res
