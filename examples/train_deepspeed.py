@@ -337,18 +337,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps, commit, rank = session.steps(args.steps), session.commit, session.rank
     else:
         batches = (data_fn(s) for s in range(1, args.steps + 1))
-        steps, commit, rank = range(1, args.steps + 1), (lambda step: True), int(os.environ.get("RANK", "0"))
+        steps, commit, rank = (range(1, args.steps + 1), (lambda step, out: [(step, out)]),
+                               int(os.environ.get("RANK", "0")))
     for step in steps:
         ts = time.perf_counter()
         loss = dp_mean(engine, train_step(engine, next(session.data) if session else next(batches)))
         if args.step_delay:
             time.sleep(args.step_delay)
-        if not commit(step):  # pitstop's iteration boundary: False = discarded, redone next
-            continue
-        if rank == 0:
-            line = json.dumps({"step": step, "loss": loss, "loss_hex": loss.hex(),
-                               "step_time_s": round(time.perf_counter() - ts, 4),
-                               "generation": session.gen if session else 0, "pid": os.getpid()})
+        out = {"loss": loss, "generation": session.gen if session else 0}
+        final = commit(step, out)  # pitstop's iteration boundary: the steps it made final ([] if discarded)
+        out["step_time_s"] = round(time.perf_counter() - ts, 4)
+        for done, o in final if rank == 0 else ():
+            line = json.dumps({"step": done, "loss": o["loss"], "loss_hex": o["loss"].hex(),
+                               "step_time_s": o["step_time_s"], "generation": o["generation"], "pid": os.getpid()})
             print(line, flush=True)
             if args.loss_file:
                 with open(args.loss_file, "a") as f:

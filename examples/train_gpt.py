@@ -529,23 +529,28 @@ def _run(args: argparse.Namespace, t0: float) -> int:
         steps, commit = session.steps(args.steps), session.commit
     else:
         session, data = None, make_data(1)
-        steps, commit = range(1, args.steps + 1), (lambda step: True)
+        steps, commit = range(1, args.steps + 1), (lambda step, out: [(step, out)])
 
     for step in steps:
         ts = time.perf_counter()
         out = train_step(args, model, optimizer, session.data if session else data)
-        if not commit(step):  # pitstop's iteration boundary: False = discarded, redone next
-            continue
+        out["generation"] = session.gen if session else 0
+        # pitstop's iteration boundary: the steps it made final, with their outputs (none when the
+        # step was discarded, or is held until the next vote with --commit-interval > 1)
+        final = commit(step, out)
+        out["step_time_s"] = round(time.perf_counter() - ts, 4)
         if manual_gc:
             gc.collect()
-        if is_logging_rank():
+        for done, o in final:
+            if not is_logging_rank():
+                break
             line = json.dumps({
-                "step": step,
-                "loss": out["loss"],
-                "loss_hex": float.hex(out["loss"]),
-                "grad_norm": out["grad_norm"],
-                "step_time_s": round(time.perf_counter() - ts, 4),
-                "generation": session.gen if session else 0,
+                "step": done,
+                "loss": o["loss"],
+                "loss_hex": float.hex(o["loss"]),
+                "grad_norm": o["grad_norm"],
+                "step_time_s": o["step_time_s"],
+                "generation": o["generation"],
                 "pid": os.getpid(),
             })
             print(line, flush=True)

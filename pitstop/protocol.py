@@ -355,9 +355,10 @@ class Channel:
                 n += 1
         return n
 
-    def read(self, key: str, schema: Optional[Schema] = None) -> Optional[Any]:
-        """The verified body under ``key``; None when absent or refused."""
-        if not self.store.check([key]):
+    def read(self, key: str, schema: Optional[Schema] = None, present: bool = False) -> Optional[Any]:
+        """The verified body under ``key``; None when absent or refused. ``present``: the caller
+        waited for the key, so the existence check (one round trip) is skipped."""
+        if not present and not self.store.check([key]):
             return None
         raw = self.store.get(key)
         hit = self._opened.get(key)
@@ -421,9 +422,9 @@ class Channel:
             self._refuse(name, exc.reason, got)
             return "poisoned: the vote holds a message that does not verify"
 
-    def settled(self, key: str) -> Optional[str]:
-        """The verdict of ``key`` if one is settled, else None."""
+    def settled(self, key: str, present: bool = False) -> Optional[str]:
+        """The verdict of ``key`` if one is settled, else None (``present``: see :meth:`read`)."""
         name = self.private(key)
-        body = self.read(name, VOTE)
+        body = self.read(name, VOTE, present=present)
         return None if body is None else body["verdict"]
 

@@ -28,6 +28,7 @@ DEFAULTS = {
     "warmup": True,
     "hold_for_warm": 0.0,
     "emulation": None,
+    "commit_interval": 1,
 }
 
 DS = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
@@ -54,9 +55,10 @@ def test_a_full_section_parses():
         "standby": 2, "heartbeat_interval": 0.25, "heartbeat_timeout": 3, "collective_timeout": 60,
         "buddy": False, "warmup": False, "hold_for_warm": 30,
         "emulation": {"world_size": 8192, "real_ranks": [0, 8191], "topology": "h200-nvlink-ib"},
+        "commit_interval": 4,
     })
     assert sect == PitstopSection(2, 0.25, 3.0, 60.0, False, False, 30.0,
-                                  EmulationSection(8192, (0, 8191), "h200-nvlink-ib"))
+                                  EmulationSection(8192, (0, 8191), "h200-nvlink-ib"), 4)
     assert isinstance(sect.heartbeat_timeout, float)
     with pytest.raises(dataclasses.FrozenInstanceError):
         sect.standby = 3  # type: ignore[misc]
@@ -69,10 +71,11 @@ def test_emulation_topology_defaults_to_the_loopback_model():
 
 def test_runtime_config_mapping_keeps_what_the_section_does_not_carry():
     sect = parse_section({"heartbeat_interval": 0.2, "heartbeat_timeout": 2, "collective_timeout": 30,
-                          "buddy": False, "warmup": False, "hold_for_warm": 7})
+                          "buddy": False, "warmup": False, "hold_for_warm": 7, "commit_interval": 8})
     rc = sect.runtime_config(RuntimeConfig(save_interval=5, save_dir="/ckpt"))
     assert rc == RuntimeConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, collective_timeout_s=30.0,
-                               buddy=False, save_interval=5, save_dir="/ckpt", warmup=False, hold_for_warm_s=7.0)
+                               buddy=False, save_interval=5, save_dir="/ckpt", warmup=False, hold_for_warm_s=7.0,
+                               commit_interval=8)
 
 
 # -------------------------------------------------------------------------- errors
@@ -96,6 +99,9 @@ BAD = [
     ({"warmup": 0}, "pitstop.warmup", "0", "true or false"),
     ({"hold_for_warm": -1}, "pitstop.hold_for_warm", "-1", ">= 0"),
     ({"hold_for_warm": True}, "pitstop.hold_for_warm", "True", "got bool"),
+    ({"commit_interval": 0}, "pitstop.commit_interval", "0", "integer >= 1"),
+    ({"commit_interval": 2.5}, "pitstop.commit_interval", "2.5", "integer >= 1"),
+    ({"commit_interval": True}, "pitstop.commit_interval", "True", "got bool"),
     ({"emulation": 8}, "pitstop.emulation", "8", "object"),
     ({"emulation": {"real_ranks": [0]}}, "pitstop.emulation", "world_size", "missing"),
     ({"emulation": {"world_size": 8}}, "pitstop.emulation", "real_ranks", "missing"),

@@ -7,7 +7,8 @@
     session = pitstop.integrations.deepspeed.session(engine, make_data)
     for step in session.steps(last=steps):
         loss = engine(batch); engine.backward(loss); engine.step()
-        session.commit(step)
+        for s, out in session.commit(step, loss.item()):  # the steps made final, with their reports
+            log(s, out)
 
 What it does, in order (nothing is started before the config is valid):
 

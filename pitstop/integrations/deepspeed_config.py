@@ -76,6 +76,9 @@ class PitstopSection:
     """After step 1, hold training up to this many seconds until every standby is warm (0: do not wait)."""
     emulation: Optional[EmulationSection] = None
     """Target-scale emulation settings; absent (None) for a normal run."""
+    commit_interval: int = 1
+    """Vote and take the rollback point every K steps (1: every step). Between votes a boundary costs
+    nothing; a failure then redoes the steps since the last vote (at most K, bitwise)."""
 
     def runtime_config(self, base: Optional[Any] = None):
         """This section as the worker runtime's :class:`pitstop.runtime.config.RuntimeConfig`.
@@ -96,6 +99,7 @@ class PitstopSection:
             buddy=self.buddy,
             warmup=self.warmup,
             hold_for_warm_s=float(self.hold_for_warm),
+            commit_interval=self.commit_interval,
         )
 
 
@@ -208,6 +212,8 @@ def parse_section(values: Optional[Mapping[str, Any]], path: str = SECTION) -> P
     kw["hold_for_warm"] = _number(f"{path}.hold_for_warm", hw, "a number of seconds >= 0 (0: do not wait)")
     if kw["hold_for_warm"] < 0:
         raise ConfigError(f"{path}.hold_for_warm={_fmt(hw)}: expected a number of seconds >= 0 (0: do not wait)")
+    kw["commit_interval"] = _int(f"{path}.commit_interval", values.get("commit_interval", d.commit_interval), 1,
+                                 "an integer >= 1 (1: vote at every step)")
     if values.get("emulation") is not None:
         kw["emulation"] = _parse_emulation(f"{path}.emulation", values["emulation"])
     return PitstopSection(**kw)
@@ -327,6 +333,7 @@ _TYPES = {
     "buddy": "bool",
     "warmup": "bool",
     "hold_for_warm": "float >= 0, s",
+    "commit_interval": "int >= 1",
     "emulation": "object",
     "emulation.world_size": "int >= 1",
     "emulation.real_ranks": "list of int",

@@ -359,6 +359,9 @@ def add_pitstop_args(parser):
                    help="no record of iteration 1, no sandboxed standby warmup (standbys join cold)")
     g.add_argument("--pitstop-hold-for-warm", type=float, default=env.hold_for_warm_s, metavar="S",
                    help="after step 1, hold training up to S s until every standby is warm (default %(default)s)")
+    g.add_argument("--pitstop-commit-interval", type=int, default=env.commit_interval, metavar="K",
+                   help="vote and take the rollback point every K steps; a failure redoes at most K steps "
+                        "(default %(default)s)")
     return parser
 
 
@@ -375,6 +378,7 @@ def runtime_config(args) -> "Any":
         save_dir=args.pitstop_save_dir,
         warmup=args.pitstop_warmup,
         hold_for_warm_s=args.pitstop_hold_for_warm,
+        commit_interval=args.pitstop_commit_interval,
     )
 
 

@@ -104,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="after step 1, hold training up to S seconds until every standby is warm (default 0: don't)")
     la.add_argument("--save-interval", type=_count(0), default=None, metavar="K",
                     help="dist_checkpointing save every K steps: the fallback when no standby is left (0: off)")
+    la.add_argument("--commit-interval", type=_count(1), default=None, metavar="K",
+                    help="vote and take the rollback point every K steps: the boundaries between cost nothing, "
+                         "a failure redoes at most K steps, bitwise (default 1)")
     la.add_argument("--save-dir", default=None, metavar="DIR",
                     help="where checkpoints go (default <run-dir>/checkpoints)")
     la.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
@@ -372,6 +375,7 @@ def launch_spec(args):
         heartbeat_interval_s=v["heartbeat_interval"], heartbeat_timeout_s=v["heartbeat_timeout"],
         collective_timeout_s=v["collective_timeout"], buddy=not v["no_buddy"], warmup=not v["no_warmup"],
         hold_for_warm_s=v["hold_for_warm"], save_interval=v["save_interval"], save_dir=v["save_dir"],
+        commit_interval=v["commit_interval"],
     )
 
     from pitstop.launch.nodes import Nodes, from_slurm
@@ -394,12 +398,14 @@ def _show(v) -> str:
 #: `pitstop launch` settings, by flag dest, with their defaults. A DeepSpeed config's "pitstop"
 #: section gives some of them; the script's --pitstop-* flags any of them but the standby count.
 _LAUNCH_DEFAULTS = {"standby": 0, "heartbeat_interval": 0.5, "heartbeat_timeout": 5.0, "collective_timeout": 120.0,
-                    "no_buddy": False, "no_warmup": False, "hold_for_warm": 0.0, "save_interval": 0, "save_dir": ""}
+                    "no_buddy": False, "no_warmup": False, "hold_for_warm": 0.0, "save_interval": 0, "save_dir": "",
+                    "commit_interval": 1}
 #: The script's flag (pitstop.integrations.megatron.add_pitstop_args) of each launch setting.
 _SCRIPT_FLAG = {"heartbeat_interval": "--pitstop-heartbeat-interval", "heartbeat_timeout": "--pitstop-heartbeat-timeout",
                 "collective_timeout": "--pitstop-collective-timeout", "no_buddy": "--pitstop-no-buddy",
                 "no_warmup": "--pitstop-no-warmup", "hold_for_warm": "--pitstop-hold-for-warm",
-                "save_interval": "--pitstop-save-interval", "save_dir": "--pitstop-save-dir"}
+                "save_interval": "--pitstop-save-interval", "save_dir": "--pitstop-save-dir",
+                "commit_interval": "--pitstop-commit-interval"}
 
 
 def _script_flags(script_args: List[str]) -> dict:
@@ -445,7 +451,8 @@ def _deepspeed_section(script_args: List[str]):
 def _section_flags(section) -> dict:
     return {"standby": section.standby, "heartbeat_interval": section.heartbeat_interval,
             "heartbeat_timeout": section.heartbeat_timeout, "collective_timeout": section.collective_timeout,
-            "no_buddy": not section.buddy, "no_warmup": not section.warmup, "hold_for_warm": section.hold_for_warm}
+            "no_buddy": not section.buddy, "no_warmup": not section.warmup, "hold_for_warm": section.hold_for_warm,
+            "commit_interval": section.commit_interval}
 
 
 #: Parallel-degree flags of Megatron-LM and of examples/train_gpt.py, by layout field.

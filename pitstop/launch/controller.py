@@ -714,15 +714,20 @@ class Controller:
         self._restart_all(resume, -1, reason, time.time(), None)
 
     def _resolve_step(self, g: int, fault: Dict[str, Any]) -> int:
-        """The step that the failure discards: the first one without a verdict, settled atomically."""
-        step = self._last_committed() + 1
+        """The first step that the failure discards. Every step of the window after the last
+        commit is settled poisoned, atomically (the workers vote at one of them, which one
+        depends on ``commit_interval``); a step that the workers committed first moves the
+        window past it."""
+        first = self._last_committed() + 1
+        window = self.cfg.discard_window(first - 1)
         marker = json.dumps({"fault": fault})
-        while True:
+        step = window.start
+        while step < window.stop:
             got = self.ch.vote(keys.verdict(g, step), marker)
             if got in ("ok", "switch"):
-                step += 1
-                continue
-            return step
+                first, window = step + 1, self.cfg.discard_window(step)
+            step += 1
+        return first
 
     def _read_committed(self) -> None:
         """Follow the last committed step. A value that does not verify, or goes backwards, is
@@ -1043,6 +1048,8 @@ class Controller:
                 state_s=round(max([v.get("state_s", 0) for v in stayers] + [timings.get("joiner", {}).get("state_s", 0)]), 4),
                 first_step_s=after(ready),
                 downtime_s=after(start),
+                # from the first discarded step to the first commit after it: 1 at commit_interval 1
+                steps_redone=None if t_commit is None else int(self.committed[1]) - ch["step"] + 1,
                 rebuilt=max([v.get("rebuilt", 0) for v in stayers] or [0]),
                 # the joiner built its model while its groups rendezvoused; then it waited this long for them
                 joiner_built_s=timings.get("joiner", {}).get("built_s"),

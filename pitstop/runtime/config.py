@@ -43,6 +43,11 @@ class RuntimeConfig:
     """After the recorded first step, hold training up to this long until every standby
     has finished its warmup (0: do not wait). For jobs that must not lose a worker to a
     cold standby, and for deterministic tests and benchmarks."""
+    commit_interval: int = 1
+    """Vote, take the rollback point and exchange the buddy copy every K steps, not every
+    step. The boundaries in between cost nothing (no store, no copy); the price is a
+    bounded rollback: a failure discards the steps since the last vote, at most K, and
+    they are redone (bitwise, so the loss curve does not change). See :meth:`votes_at`."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -65,6 +70,32 @@ class RuntimeConfig:
             raise ConfigError(f"hold_for_warm_s({self.hold_for_warm_s}) must be >= 0 (0: do not wait)")
         if self.save_interval < 0:
             raise ConfigError(f"save_interval({self.save_interval}) must be >= 0 (0 disables checkpoints)")
+        if self.commit_interval < 1:
+            raise ConfigError(f"commit_interval({self.commit_interval}) must be >= 1 (1: vote at every step)")
+
+    # ------------------------------------------------------------------ the vote schedule
+    def votes_at(self, step: int, last: int) -> bool:
+        """Whether the boundary after ``step`` votes (of a loop that ends at ``last``).
+
+        A pure function of the step and the settings, so every rank, a joiner and the
+        controller agree on it without asking anyone::
+
+            commit_interval 4, save_interval 6, last 10:
+            step   1  2  3  4  5  6  7  8  9  10
+            vote   *     .  *  .  *  .  *  .  *      (* votes; . costs nothing)
+                   |first   |K    |save |K     |last
+
+        Step 1 always votes (its record warms the standbys), and so does every checkpoint
+        step (a checkpoint holds committed state only). Between two votes there are at
+        most ``commit_interval`` steps, which bounds the rollback (:meth:`discard_window`).
+        """
+        k = self.commit_interval
+        return (k == 1 or step % k == 0 or step == 1 or step >= last
+                or (self.save_interval > 0 and step % self.save_interval == 0))
+
+    def discard_window(self, last_committed: int) -> range:
+        """The steps a failure after ``last_committed`` may discard: the next vote is at one of them."""
+        return range(last_committed + 1, last_committed + self.commit_interval + 1)
 
     # ------------------------------------------------------------------ environment
     def to_env(self) -> Dict[str, str]:

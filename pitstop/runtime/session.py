@@ -5,14 +5,27 @@
     session = Session(model, optimizer, make_data)
     for step in session.steps(last=args.steps):
         out = train_step(args, model, optimizer, session.data)
-        if session.commit(step):          # the iteration boundary
-            log(step, out)                # only committed steps are reported
+        for s, o in session.commit(step, out):   # the iteration boundary
+            log(s, o)                            # only committed steps are reported
 
 ``commit`` votes through the control store. When every rank arrived, the step is
 committed: its state becomes the rollback point and the buddy copy. When a rank
 died during the step, the stayers roll back, rebuild only the delta groups with the
 joiner, hand it its state (buddy copy + a parameter all-gather), and ``steps``
-yields the same step again::
+yields the same step again.
+
+With ``commit_interval`` K > 1 only every K-th boundary votes (see
+:meth:`~pitstop.runtime.config.RuntimeConfig.votes_at`); the ones between cost nothing and
+return no step: their outputs are held and handed back, in order, by the vote that commits
+them. A failure discards the window since the last vote, and ``steps`` yields its first
+step again. A value computed in a discarded window is never reported: a peer's broken
+group can feed a healthy rank garbage, so no rank can vouch for a step on its own::
+
+    K = 4:   step 5    6    7    8 (vote)
+    commit:  []        []   []   [(5, o5), (6, o6), (7, o7), (8, o8)]     committed
+    commit:  []   x    []   []   []     -> steps() yields 5 again        discarded
+
+A timeline of one discarded step (K = 1)::
 
     step s:   fwd  bwd  reduce  opt  |boundary|           the kill lands here
     stayers:  ----------xxxxxxx------|poisoned| rollback, delta rebuild, state -> joiner
@@ -25,7 +38,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -85,6 +98,13 @@ class Session:
         self.iter_s: List[float] = []
         """This rank's committed iterations, in seconds (loop body, without the boundary)."""
         self._t_step = 0.0
+        self._last = 0
+        self._provisional = 0
+        """Steps since the last vote (``commit_interval`` > 1): run, not yet committed."""
+        self._held: List[Tuple[int, Any]] = []
+        """Their (step, report) pairs, handed back by the vote that commits them."""
+        self._poison_told = False
+        self._redo_from: Optional[int] = None
         self._new_gen = self.m.joiner
         """The next committed step is this process's first in a new generation: report its time."""
         faults = Fault.from_env() if (self.m.mode == "worker" and self.m.epoch == 0) else []
@@ -148,11 +168,13 @@ class Session:
         """Yield step numbers from where this process starts up to ``last``; a step
         that a failure discarded is yielded again."""
         self._start()
+        self._last = last
         step = self.first_step
         while step <= last:
             self.step = step
             self._committed = None
-            self.fence.reset()
+            if self._provisional == 0:  # a new vote window; inside one, a poisoned fence stays poisoned
+                self.fence.reset()
             self.fence.armed = self.controlled
             self._t_step = time.perf_counter()
             yield step
@@ -160,11 +182,21 @@ class Session:
                 raise PitstopError(f"{self.prefix()} the loop body must call session.commit({step})")
             if self._committed:
                 step += 1
+            elif self._redo_from is not None:  # the discarded window starts here (the step itself when K = 1)
+                step, self._redo_from = self._redo_from, None
         self.fence.armed = False
 
-    def commit(self, step: Optional[int] = None) -> bool:
-        """The iteration boundary: True if the step is committed, False if it was discarded
-        (``steps`` then yields it again, after recovery)."""
+    def commit(self, step: Optional[int] = None, report: Any = None) -> List[Tuple[int, Any]]:
+        """The iteration boundary. Returns the steps it made final, each with the ``report``
+        given at its own boundary (e.g. its loss), oldest first:
+
+        - ``[(step, report)]`` when this step is committed (every step at ``commit_interval`` 1);
+        - the held window plus this step at a vote (``commit_interval`` > 1);
+        - ``[]`` between votes, and when the step was discarded (``steps`` then yields the
+          first discarded step again, after recovery).
+
+        The list is truthy exactly when something was committed, so ``if session.commit(step):``
+        reads as before at ``commit_interval`` 1."""
         step = self.step if step is None else step
         if not self.controlled:
             iter_s = time.perf_counter() - self._t_step
@@ -174,9 +206,9 @@ class Session:
                 self.m.on_boundary(iter_s)
             memory.boundary()
             self._committed = True
-            return True
+            return [(step, report)]
         try:
-            return self._boundary(step)
+            return self._boundary(step, report)
         except Exception as exc:
             # the store answers every boundary: if it is gone, the controller died. Stop
             # cleanly (no traceback, exit status 3) instead of failing in whatever touched it
@@ -184,11 +216,13 @@ class Session:
                 worker.controller_lost(self.prefix(), exc)
             raise
 
-    def _boundary(self, step: int) -> bool:
+    def _boundary(self, step: int, report: Any) -> List[Tuple[int, Any]]:
         t0 = time.perf_counter()
         iter_s = t0 - self._t_step
         if self._new_gen:  # the first step after a roster change: is the joiner up to speed?
             self._report_iteration(iter_s)
+        if not self.cfg.votes_at(step, self._last):
+            return self._pass(step, report, t0, iter_s)
         recording = sandbox.recording()
         with sandbox.paused():
             pending, received = self._take_and_exchange(step)
@@ -205,6 +239,8 @@ class Session:
             self.steps_committed += 1
             self.iter_s.append(iter_s)
             self._new_gen = False
+            self._provisional = 0
+            self._poison_told = False
             self.hook_s += time.perf_counter() - t0
             self.registry.reap()
             if self.cfg.save_interval and step % self.cfg.save_interval == 0:
@@ -216,11 +252,35 @@ class Session:
                 self._hold_for_warm()
             memory.boundary()
             self._committed = True
-            return True
+            final, self._held = self._held + [(step, report)], []
+            return final
         self._info("step discarded (%s)", verdict[:120])
         self._recover(step)
         self._committed = False
-        return False
+        return []
+
+    def _pass(self, step: int, report: Any, t0: float, iter_s: float) -> List[Tuple[int, Any]]:
+        """A boundary between votes (``commit_interval`` > 1): no store, no copy, no wait.
+
+        The step is held, not committed: the next vote decides it with the rest of its
+        window, and hands back its ``report`` then. A poisoned rank goes on, so that its peers on healthy groups
+        never wait for a partner that stopped: every rank runs the same collectives up to
+        the vote, the broken groups short-circuit, and the vote discards the whole window.
+        It tells the controller at once (an early poisoned verdict), which confirms a
+        silent machine sooner."""
+        if self.fence.poisoned and not self._poison_told:
+            self._poison_told = True
+            why = self.fence.errors[0] if self.fence.errors else f"groups marked broken: {sorted(self.fence.broken)}"
+            self.ch.vote(keys.verdict(self.gen, step - self._provisional), f"poisoned at r{self.rank}: {str(why)[:1500]}")
+        self._provisional += 1
+        self._held.append((step, report))
+        self.steps_committed += 1
+        self.iter_s.append(iter_s)
+        self._new_gen = False
+        self.hook_s += time.perf_counter() - t0
+        memory.boundary()
+        self._committed = True
+        return []
 
     # ------------------------------------------------------------------ boundary pieces
     def _take_and_exchange(self, step: int):
@@ -264,13 +324,15 @@ class Session:
             ch.vote(vk, f"poisoned at r{self.rank}: {str(why)[:1500]}")
         elif ch.add(keys.arrive(self.gen, step), 1) == self.layout.world_size:
             want = "switch" if ch.read(keys.drain_ready(self.gen), protocol.FLAG) is not None else "ok"
-            if ch.vote(vk, want) == want:
+            got = ch.vote(vk, want)
+            if got == want:
                 now = time.time()
                 ch.put(keys.COMMITTED, {"generation": self.gen, "step": step, "time": now}, own=False)
                 if want == "switch":
                     ch.put(keys.drain_switch(self.gen), {"step": step, "time": now})
+            return got  # the slot's value, settled: no need to wait for it or read it again
         self.store.wait([ch.private(vk)], timedelta(seconds=self.cfg.collective_timeout_s * 2))
-        got = ch.settled(vk)
+        got = ch.settled(vk, present=True)
         return got if got is not None else "poisoned: the verdict does not verify"
 
     def _save(self, step: int) -> None:
@@ -377,6 +439,11 @@ class Session:
             # the controller stops every process and restarts them; never hang here
             time.sleep(3600)
         roles, new_gen = info["roles"], info["generation"]
+        redo = int(info.get("step", step))  # the first discarded step: the window's first (K > 1) or this one
+        if self.snap is None or self.snap.step != redo - 1:
+            raise RecoveryError(f"{self.prefix()} the controller discards from step {redo}, this rank's rollback point "
+                                f"is step {None if self.snap is None else self.snap.step}")
+        discarded = step - redo + 1
         t0 = time.perf_counter()
         self._aborted_gen = self.gen
         with self._lock:
@@ -392,24 +459,32 @@ class Session:
                 continue
             nxt, prv = self._ring(ranks, role)
             if self.rank == nxt:
-                if self.buddy is None or self.buddy.step != step - 1:
+                if self.buddy is None or self.buddy.step != redo - 1:
                     raise RecoveryError(
                         f"{self.prefix()} holds the buddy copy of role {role} for step "
-                        f"{None if self.buddy is None else self.buddy.step}, needs step {step - 1}"
+                        f"{None if self.buddy is None else self.buddy.step}, needs step {redo - 1}"
                     )
                 state.send_snapshot(self.buddy, role, group)
             if self.rank == prv and self.cfg.buddy:
                 state.send_snapshot(self.snap, role, group)
         t_state = time.perf_counter()
         self.fw.resync_params(self.model, self.optimizer)
-        self.data = self.make_data(step)
+        self.data = self.make_data(redo)
         self.fence.reset()
+        self._redo_from = redo
+        self.steps_committed -= self._provisional  # run between votes, now discarded with the window
+        if self._provisional:
+            del self.iter_s[-self._provisional:]
+        self._provisional = 0
+        self._held = []
+        self._poison_told = False
         t_end = time.perf_counter()
         self._report(self.gen, f"r{self.rank}", seen=t_seen, rollback_s=t_roll - t0, groups_s=t_groups - t_roll,
                      state_s=t_end - t_groups, transfer_s=t_state - t_groups, ready=time.time(),
                      rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped, stale=len(self.stale_refs))
-        self._info("recovered: role(s) %s now played by joiners; %d groups rebuilt, %d kept, %d references swapped",
-                   ",".join(map(str, roles)), len(report.rebuilt), len(report.kept), swapped)
+        self._info("recovered: role(s) %s now played by joiners; %d groups rebuilt, %d kept, %d references swapped; "
+                   "%d step(s) from step %d are redone", ",".join(map(str, roles)), len(report.rebuilt), len(report.kept),
+                   swapped, discarded, redo)
 
     # ------------------------------------------------------------------ planned: drain
     def _prepare_drain(self, d: Dict[str, Any]) -> None:
