@@ -92,6 +92,11 @@ def test_errors_form_one_hierarchy():
      "'inf': expected a finite number of seconds > 0"),
     (["launch", "--nproc-per-node", "2", "--hold-for-warm", "-1", "--", "examples/train_gpt.py"],
      "'-1': expected a finite number of seconds >= 0"),
+    (["launch", "--nproc-per-node", "2", "--commit-interval", "0", "--", "examples/train_gpt.py"],
+     "--commit-interval"),
+    (["launch", "--nproc-per-node", "2", "--commit-interval", "4", "--", "examples/train_gpt.py",
+      "--pitstop-commit-interval", "2"],
+     "the training script's --pitstop-commit-interval 2 and pitstop launch's --commit-interval 4 disagree"),
     (["launch", "--nproc-per-node", "2", "--heartbeat-timeout", "5", "--", "examples/train_gpt.py",
       "--pitstop-heartbeat-timeout", "3"],
      "the training script's --pitstop-heartbeat-timeout 3.0 and pitstop launch's --heartbeat-timeout 5.0 disagree"),
@@ -208,11 +213,12 @@ def test_the_scripts_pitstop_flags_reach_the_controller(tmp_path):
 
     argv = ["launch", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"), "--collective-timeout", "90",
             "--", "examples/train_gpt.py", "--tp", "2", "--pitstop-heartbeat-timeout", "3", "--pitstop-save-interval",
-            "4", "--pitstop-save-dir", str(tmp_path / "ck"), "--pitstop-no-buddy", "--pitstop-collective-timeout=90"]
+            "4", "--pitstop-save-dir", str(tmp_path / "ck"), "--pitstop-no-buddy", "--pitstop-commit-interval", "4",
+            "--pitstop-collective-timeout=90"]
     spec, node_rank, endpoint = launch_spec(_parser().parse_args(argv))
     c = spec.config
-    assert (c.heartbeat_timeout_s, c.save_interval, c.save_dir, c.buddy, c.collective_timeout_s) == \
-        (3.0, 4, str(tmp_path / "ck"), False, 90.0)
+    assert (c.heartbeat_timeout_s, c.save_interval, c.save_dir, c.buddy, c.collective_timeout_s, c.commit_interval) == \
+        (3.0, 4, str(tmp_path / "ck"), False, 90.0, 4)
     assert (c.heartbeat_interval_s, c.warmup, node_rank, endpoint) == (0.5, True, 0, None)  # untouched defaults
     assert spec.argv[-1] == "--pitstop-collective-timeout=90"  # the script still gets all its flags
     plain = launch_spec(_parser().parse_args(argv[:5] + ["--", "examples/train_gpt.py"]))[0].config

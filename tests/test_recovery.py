@@ -92,6 +92,41 @@ def test_planned_drain_is_bitwise_identical(reference, tmp_path):
     assert d[0]["pause_s"] is not None and d[0]["pause_s"] < 30, d
 
 
+def _logged_steps(res) -> list:
+    import json
+
+    return [json.loads(line)["step"] for line in (res.run_dir / "loss.jsonl").read_text().splitlines()]
+
+
+def test_a_kill_between_votes_discards_the_window_and_redoes_it_bitwise(reference, tmp_path):
+    """--commit-interval 4: votes after steps 1, 4, 8 and 10. Rank 5 dies in step 6, between
+    votes: every rank runs on to the vote after step 8 (the broken groups short-circuit), the
+    whole window 5..8 is discarded and redone, and no value of it was ever reported."""
+    fault = Fault.kill(rank=5).at(step=6, phase="backward")
+    res = run_job(tmp_path / "run", STEPS, standby=1, faults=fault.spec(), launch_args=["--commit-interval", "4"])
+    assert_same_run(res, reference)
+    rep = res.of("replaced")
+    assert len(rep) == 1 and rep[0]["role"] == 5 and rep[0]["step"] == 5, res.tails()
+    assert rep[0]["steps_redone"] == 4, rep  # 5, 6, 7 and 8, up to the first commit after the failure
+    # every step reported once, in order: the window's garbage (a peer's broken group feeds the
+    # logging rank) was held and dropped, never printed
+    assert _logged_steps(res) == list(range(1, STEPS + 1)), _logged_steps(res)
+
+
+def test_a_drain_switches_at_a_vote_with_a_commit_interval(reference, tmp_path):
+    def during(run_dir):
+        wait_for_event(run_dir, "recorded", n=2)
+        request_drain(run_dir, rank=2)
+
+    res = run_job(tmp_path / "run", STEPS, standby=1, during=during,
+                  launch_args=["--hold-for-warm", "30", "--commit-interval", "4"])
+    assert_same_run(res, reference)
+    d = res.of("drained")
+    assert len(d) == 1 and d[0]["role"] == 2, res.tails()
+    assert d[0]["step"] - 1 in (1, 4, 8), d  # the joiner's first step follows a vote
+    assert _logged_steps(res) == list(range(1, STEPS + 1)), _logged_steps(res)
+
+
 def test_fault_matrix_subset_with_a_hang(reference, tmp_path):
     """First PP stage in the optimizer step, a hung (SIGSTOP) last-stage rank, a TP rank
     in the parameter all-gather: three replacements in one job."""

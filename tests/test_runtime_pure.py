@@ -28,6 +28,8 @@ def test_config_round_trips_through_the_environment():
     ({"save_interval": -1}, "save_interval(-1) must be >= 0"),
     ({"buddy": "yes"}, "buddy='yes': expected bool"),
     ({"heartbeat_interval_s": True}, "expected float, got bool"),
+    ({"commit_interval": 0}, "commit_interval(0) must be >= 1"),
+    ({"commit_interval": 2.0}, "commit_interval=2.0: expected int"),
 ])
 def test_config_errors_name_the_values(kw, message):
     with pytest.raises(ConfigError) as e:
@@ -43,6 +45,35 @@ def test_config_from_mapping_refuses_unknown_keys_by_name():
 def test_config_from_env_names_the_bad_variable():
     with pytest.raises(ConfigError, match="PITSTOP_SAVE_INTERVAL='two': expected int"):
         RuntimeConfig.from_env({"PITSTOP_SAVE_INTERVAL": "two"})
+
+
+@pytest.mark.parametrize("k, save, last", [(1, 0, 10), (4, 0, 10), (4, 6, 10), (3, 0, 7), (5, 2, 23), (16, 0, 5)])
+def test_the_vote_schedule_bounds_every_window_and_the_controller_covers_the_next_vote(k, save, last):
+    """Every rank, a joiner starting after any vote, and the controller must agree on where the
+    next vote is: a window never holds more than K steps, and discard_window reaches it."""
+    cfg = RuntimeConfig(commit_interval=k, save_interval=save)
+    votes = [s for s in range(1, last + 1) if cfg.votes_at(s, last)]
+    assert votes[0] == 1 and votes[-1] == last  # the recorded first step and the last one
+    assert all(b - a <= k for a, b in zip([0] + votes, votes))
+    if save:
+        assert all(s in votes for s in range(save, last + 1, save))  # a checkpoint holds committed state
+    for c in [0] + votes[:-1]:  # after any commit, the controller's window holds the next vote
+        nxt = next(v for v in votes if v > c)
+        assert nxt in cfg.discard_window(c) and len(cfg.discard_window(c)) == k
+    if k == 1:
+        assert votes == list(range(1, last + 1))
+
+
+def test_commit_interval_reaches_the_runtime_from_every_front_door():
+    import argparse
+
+    from pitstop.integrations.deepspeed_config import parse_section
+    from pitstop.integrations.megatron import add_pitstop_args, runtime_config
+
+    assert runtime_config(add_pitstop_args(argparse.ArgumentParser()).parse_args(
+        ["--pitstop-commit-interval", "8"])).commit_interval == 8
+    assert parse_section({"commit_interval": 3}).runtime_config().commit_interval == 3
+    assert RuntimeConfig.from_env(RuntimeConfig(commit_interval=5).to_env()).commit_interval == 5
 
 
 def test_megatron_flags_give_a_validated_config():
