@@ -576,6 +576,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
             "median_iter_s": round(sorted(session.iter_s[1:])[len(session.iter_s[1:]) // 2], 4)
             if session and len(session.iter_s) > 1 else None,
             "iter_s": [round(x, 6) for x in session.iter_s] if session else [],
+            "boundary_s": [[st, round(x, 6)] for st, x in session.boundary_s] if session else [],
         }), flush=True)
     if is_logging_rank():
         print(json.dumps({"done": True, "wall_s": round(time.perf_counter() - t0, 2)}), flush=True)

@@ -4,7 +4,7 @@
     pitstop drain --run-dir DIR (--rank R | --host H)
     pitstop status --run-dir DIR
     pitstop demo                                  kill + drain on the world-8 GPT, with a summary
-    pitstop bench groups|recovery [--json]
+    pitstop bench groups|recovery|hook|... [--json]
 
 Flag names follow torchrun's (``--nproc-per-node``, ``--nnodes``, ``--rdzv-endpoint``).
 """
@@ -174,6 +174,13 @@ def _parser() -> argparse.ArgumentParser:
     mc.add_argument("--json", action="store_true")
     mc.add_argument("--steps", type=_count(8), default=10)
     mc.add_argument("--run-dir", default="runs/bench-machines")
+    hk = bsub.add_parser("hook", help="what the iteration boundary costs a steady step: plain torchrun vs pitstop at "
+                         "commit_interval 1 and K, world 8 and world 2; and a kill between votes at K")
+    hk.add_argument("--json", action="store_true")
+    hk.add_argument("--rounds", type=_count(1), default=3, help="runs of each variant, interleaved (default 3)")
+    hk.add_argument("--commit-intervals", default="8,32", metavar="K,K,...",
+                    help="the intervals compared with 1, each > 1 (default 8,32)")
+    hk.add_argument("--run-dir", default="runs/bench-hook")
     c = bsub.add_parser("control", help="junk on every control key while a job loses a rank: refused, job bitwise")
     c.add_argument("--json", action="store_true")
     c.add_argument("--steps", type=_count(6), default=10)
@@ -225,6 +232,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             ok = [out["fuzz"]["job_ok"]] if "fuzz" in out else []
             ok += [out["controller_restart"]["replaced_after_restart"]] if "controller_restart" in out else []
             return 0 if all(ok) else 1
+        if args.cmd == "bench" and args.bench == "hook":
+            from pitstop.launch.bench_hook import bench_hook
+
+            try:
+                ks = [int(x) for x in args.commit_intervals.split(",") if x]
+            except ValueError:
+                ks = []
+            if not ks or any(k < 2 for k in ks):
+                raise PitstopError(f"--commit-intervals {args.commit_intervals!r}: expected comma-separated integers >= 2")
+            out = bench_hook(run_dir=args.run_dir, rounds=args.rounds, intervals=ks)
+            print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+            return 0 if all(r["loss_identical"] for r in out["recovery"]) else 1
         if args.cmd == "bench" and args.bench == "recovery":
             from pitstop.launch.bench_recovery import bench_recovery, bench_recovery_deepspeed
 

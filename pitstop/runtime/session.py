@@ -91,6 +91,9 @@ class Session:
         self._drain: Optional[Dict[str, Any]] = None
         self.hook_s = 0.0
         """Seconds spent in :meth:`commit` on committed steps (the steady-state overhead)."""
+        self.boundary_s: List[Tuple[int, float]] = []
+        """(step, seconds in :meth:`commit`) per boundary, in order: the steady-state cost, apart
+        from one-offs (step 1's record, a recovery)."""
         self.buddy_s = 0.0
         self.steps_committed = 0
         self.stale_refs: List[Any] = []
@@ -208,7 +211,10 @@ class Session:
             self._committed = True
             return [(step, report)]
         try:
-            return self._boundary(step, report)
+            t0 = time.perf_counter()
+            final = self._boundary(step, report)
+            self.boundary_s.append((step, time.perf_counter() - t0))
+            return final
         except Exception as exc:
             # the store answers every boundary: if it is gone, the controller died. Stop
             # cleanly (no traceback, exit status 3) instead of failing in whatever touched it
