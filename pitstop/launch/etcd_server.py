@@ -46,7 +46,7 @@ class EtcdServer:
     def start(self) -> "EtcdServer":
         binary = etcd_binary()
         if binary is None:
-            raise PitstopError("etcd is not installed: `make venv` installs Debian's etcd-server "
+            raise PitstopError("etcd is not installed: `make etcd` (a prerequisite of `make test`) installs Debian's etcd-server "
                                "(apt-get install etcd-server)")
         for attempt in range(3):  # a free port can be taken between the probe and etcd's bind
             self.port, peer = _free_port(self.host), _free_port(self.host)
