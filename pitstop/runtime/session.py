@@ -49,6 +49,7 @@ from pitstop import memory
 from pitstop.errors import PitstopError, RecoveryError
 from pitstop.plan import plan_replace
 from pitstop.runtime import keys, sandbox, state, worker
+from pitstop.runtime.buddy import BuddyWire
 from pitstop.runtime.framework import Framework, first_trainable, wrap
 from pitstop.runtime.faults import Fault
 from pitstop.runtime.swap import find_groups, swap_groups
@@ -85,6 +86,8 @@ class Session:
         self.snap: Optional[state.Snapshot] = None
         self.buddy: Optional[state.Snapshot] = None
         self._spare: List[Optional[torch.Tensor]] = [None, None]
+        self.wire = BuddyWire()
+        """This rank's side of the buddy ring (one message per exchange)."""
         self._committed: Optional[bool] = None
         self._lock = threading.Lock()
         self._aborted_gen = -1
@@ -238,10 +241,11 @@ class Session:
         if recording:  # the record of iteration 1 is complete (kept only if the step was)
             sandbox.finish_recording(self.ch, verdict in ("ok", "switch"), self.layout)
         if verdict in ("ok", "switch"):
-            self._spare = [self.snap.data if self.snap else None, self.buddy.data if self.buddy else None]
+            self._spare = [self.snap.data if self.snap else None, None]
             self.snap = pending
             if received is not None:
                 self.buddy = received
+                self.wire.keep()
             self.steps_committed += 1
             self.iter_s.append(iter_s)
             self._new_gen = False
@@ -300,19 +304,12 @@ class Session:
         t0 = time.perf_counter()
         nxt, prv = self._ring(ranks, self.rank)
         self.fence.armed = True
-        meta = torch.frombuffer(bytearray(snap.meta_bytes()), dtype=torch.uint8)
-        sizes = torch.tensor([meta.numel(), snap.data.numel()], dtype=torch.int64)
-        rsizes = torch.zeros(2, dtype=torch.int64)
-        self._sendrecv(sizes, rsizes, nxt, prv, group)
-        rmeta = torch.empty(int(rsizes[0]), dtype=torch.uint8)
-        spare = self._spare[1]
-        rdata = spare if spare is not None and spare.numel() == int(rsizes[1]) else torch.empty(int(rsizes[1]), dtype=torch.uint8)
-        self._sendrecv(meta, rmeta, nxt, prv, group)
-        self._sendrecv(snap.data, rdata, nxt, prv, group)
+        got = self.wire.exchange(
+            snap, self.gen, lambda out, inp: self._sendrecv(out, inp, nxt, prv, group),
+            lambda out: dist.isend(out, nxt, group=group), lambda inp: dist.irecv(inp, prv, group=group),
+            lambda: self.fence.poisoned)
         self.buddy_s += time.perf_counter() - t0
-        if self.fence.poisoned:
-            return snap, None
-        return snap, state.Snapshot.from_wire(bytes(rmeta.numpy()), rdata)
+        return snap, (None if self.fence.poisoned else got)
 
     @staticmethod
     def _sendrecv(out: torch.Tensor, inp: torch.Tensor, dst: int, src: int, group) -> None:
@@ -575,6 +572,7 @@ class Session:
             self.step = self.first_step - 1
             with sandbox.paused():  # pitstop's own exchange is not part of the script's iteration
                 self.snap, self.buddy = self._take_and_exchange(self.first_step - 1)
+            self.wire.keep()
 
     def _start_recover(self) -> None:
         """A joiner for a failed role: shard from the buddy, parameters from the all-gather."""
