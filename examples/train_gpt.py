@@ -62,6 +62,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0,
                    help="hidden and attention dropout (Megatron's default is 0.1; with dropout the "
                         "RNG tracker state becomes part of what a bitwise-identical run needs)")
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and activations with fp32 main weights in the optimizer (Megatron-LM's "
+                        "--bf16: Float16Module, gradients reduced in fp32)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip-grad", type=float, default=1.0)
@@ -171,8 +174,9 @@ def model_config(args: argparse.Namespace):
         num_attention_heads=args.num_heads,
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        bf16=args.bf16,
         use_cpu_initialization=True,
         hidden_dropout=args.dropout,
         attention_dropout=args.dropout,
@@ -210,6 +214,10 @@ def build_model(args: argparse.Namespace) -> list:
         overlap_grad_reduce=False,
         use_distributed_optimizer=True,
     )
+    if args.bf16:  # as Megatron-LM's get_model: the bf16 wrapper inside DDP
+        from megatron.core.transformer.module import Float16Module
+
+        gpt = Float16Module(config, gpt)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     if args.compile:
         n = compile_model([model])
@@ -254,7 +262,9 @@ def compile_model(model: list) -> int:
     torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
     n = 0
     for chunk in model:
-        for layer in chunk.module.decoder.layers:
+        gpt = chunk.module
+        gpt = getattr(gpt, "module", gpt)  # inside --bf16's Float16Module
+        for layer in gpt.decoder.layers:
             layer.compile()
             n += 1
     return n
@@ -270,7 +280,8 @@ def build_optimizer(args: argparse.Namespace, model: list):
         adam_beta1=0.9,
         adam_beta2=0.95,
         clip_grad=args.clip_grad,
-        params_dtype=torch.float32,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        bf16=args.bf16,
         use_distributed_optimizer=True,
     )
     return get_megatron_optimizer(config, model)
