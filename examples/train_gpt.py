@@ -443,14 +443,39 @@ def train_step(args: argparse.Namespace, model: list, optimizer, data_iterator) 
     }
 
 
-def param_checksum(model: list) -> str:
-    """sha256 over this rank's parameters (names and exact bytes), in a fixed order."""
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # bf16 too
+
+
+def param_checksum(model: list, optimizer=None) -> str:
+    """sha256 over this rank's parameters (names and exact bytes), in a fixed order, and with
+    ``optimizer`` its shard too: the fp32 main weights and every Adam moment. With --bf16 the
+    model's parameters are rounded copies of the main weights, so they alone could hide a
+    difference below bf16's resolution."""
     h = hashlib.sha256()
     for chunk in model:
         for name, p in sorted(chunk.named_parameters(), key=lambda kv: kv[0]):
             h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            h.update(_bytes(p))
+    for i, opt in enumerate(getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else [])):
+        inner = opt.optimizer
+        for g, group in enumerate(inner.param_groups):
+            for j, p in enumerate(group["params"]):
+                h.update(f"o{i}.g{g}.p{j}".encode())
+                h.update(_bytes(p))
+                for key in sorted(inner.state.get(p, {})):
+                    v = inner.state[p][key]
+                    if torch.is_tensor(v):
+                        h.update(key.encode())
+                        h.update(_bytes(v))
     return h.hexdigest()
+
+
+def dtypes(model: list, optimizer) -> dict:
+    """The parameters' dtypes and the optimizer's main weights' (what --bf16 changes)."""
+    main = {str(p.dtype) for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            for group in opt.optimizer.param_groups for p in group["params"]}
+    return {"params": sorted({str(p.dtype) for chunk in model for p in chunk.parameters()}), "main": sorted(main)}
 
 
 def _peak_tensor_bytes():
@@ -574,7 +599,8 @@ def _run(args: argparse.Namespace, t0: float) -> int:
 
         print(json.dumps({
             "rank": dist.get_rank(),
-            "param_sha256": param_checksum(model),
+            "param_sha256": param_checksum(model, optimizer),
+            "dtypes": dtypes(model, optimizer),
             "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "rss_bytes": _rss_bytes(),
             "peak_tensor_bytes": _peak_tensor_bytes(),

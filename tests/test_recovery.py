@@ -127,6 +127,38 @@ def test_a_drain_switches_at_a_vote_with_a_commit_interval(reference, tmp_path):
     assert _logged_steps(res) == list(range(1, STEPS + 1)), _logged_steps(res)
 
 
+#: Megatron-LM's usual precision and regularisation: bf16 parameters (Float16Module) with fp32
+#: main weights in the distributed optimizer, dropout 0.1 (the RNG tracker's streams matter).
+BF16 = ["examples/train_gpt.py", "--tp", "2", "--pp", "2", "--checksum", "--bf16", "--dropout", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(tmp_path_factory):
+    res = run_job(tmp_path_factory.mktemp("reference_bf16"), STEPS, gpt=BF16)
+    assert res.code == 0 and sorted(res.losses) == list(range(1, STEPS + 1)), res.tails()
+    # the mixed-precision path really ran: bf16 parameters, fp32 main weights
+    assert {(tuple(s["dtypes"]["params"]), tuple(s["dtypes"]["main"])) for s in res.stats} == \
+        {(("torch.bfloat16",), ("torch.float32",))}, res.stats
+    return res
+
+
+def test_bf16_with_dropout_a_kill_and_a_drain_stay_bitwise(reference_bf16, tmp_path):
+    """The checksum covers the bf16 parameters, the fp32 main weights and every Adam moment;
+    the dropout masks depend on the RNG tracker's states, which travel with the shard."""
+    fault = Fault.kill(rank=5).at(step=3, phase="backward")
+    res = run_job(tmp_path / "kill", STEPS, standby=1, faults=fault.spec(), gpt=BF16)
+    assert_same_run(res, reference_bf16)
+    assert [e["role"] for e in res.of("replaced")] == [5], res.tails()
+
+    def during(run_dir):
+        wait_for_event(run_dir, "recorded", n=2)
+        request_drain(run_dir, rank=2)
+
+    res = run_job(tmp_path / "drain", STEPS, standby=1, during=during, gpt=BF16, launch_args=["--hold-for-warm", "30"])
+    assert_same_run(res, reference_bf16)
+    assert [e["role"] for e in res.of("drained")] == [2], res.tails()
+
+
 def test_fault_matrix_subset_with_a_hang(reference, tmp_path):
     """First PP stage in the optimizer step, a hung (SIGSTOP) last-stage rank, a TP rank
     in the parameter all-gather: three replacements in one job."""

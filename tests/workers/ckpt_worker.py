@@ -102,7 +102,7 @@ def main() -> int:
                             extra={"consumed_samples": step * global_batch}, **kw)
             rec["save_s"] = time.perf_counter() - t
 
-    rec["param_sha256"] = tg.param_checksum(model)
+    rec["param_sha256"] = tg.param_checksum(model, optimizer)
     rec["last_step"] = stop
     Path(own.out).mkdir(parents=True, exist_ok=True)
     (Path(own.out) / f"rank_{rank}.json").write_text(json.dumps(rec))
