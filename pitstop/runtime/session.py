@@ -85,7 +85,8 @@ class Session:
         self.first_step = 1
         self.snap: Optional[state.Snapshot] = None
         self.buddy: Optional[state.Snapshot] = None
-        self._spare: List[Optional[torch.Tensor]] = [None, None]
+        self._spare: Optional[torch.Tensor] = None
+        """The buffer of the rollback point before the last one: the next snapshot is packed into it."""
         self.wire = BuddyWire()
         """This rank's side of the buddy ring (one message per exchange)."""
         self._committed: Optional[bool] = None
@@ -241,7 +242,7 @@ class Session:
         if recording:  # the record of iteration 1 is complete (kept only if the step was)
             sandbox.finish_recording(self.ch, verdict in ("ok", "switch"), self.layout)
         if verdict in ("ok", "switch"):
-            self._spare = [self.snap.data if self.snap else None, None]
+            self._spare = self.snap.data if self.snap else None
             self.snap = pending
             if received is not None:
                 self.buddy = received
@@ -273,11 +274,11 @@ class Session:
         """A boundary between votes (``commit_interval`` > 1): no store, no copy, no wait.
 
         The step is held, not committed: the next vote decides it with the rest of its
-        window, and hands back its ``report`` then. A poisoned rank goes on, so that its peers on healthy groups
-        never wait for a partner that stopped: every rank runs the same collectives up to
-        the vote, the broken groups short-circuit, and the vote discards the whole window.
-        It tells the controller at once (an early poisoned verdict), which confirms a
-        silent machine sooner."""
+        window, and hands back its ``report`` then. A poisoned rank goes on, so that its
+        peers on healthy groups never wait for a partner that stopped: every rank runs the
+        same collectives up to the vote, the broken groups short-circuit, and the vote
+        discards the whole window. It tells the controller at once (an early poisoned
+        verdict on the window's first step), which confirms a silent machine sooner."""
         if self.fence.poisoned and not self._poison_told:
             self._poison_told = True
             why = self.fence.errors[0] if self.fence.errors else f"groups marked broken: {sorted(self.fence.broken)}"
@@ -296,7 +297,7 @@ class Session:
     def _take_and_exchange(self, step: int):
         """Pack this rank's state (rollback point) and swap it with the buddy ring."""
         seq = pgmod.world_group().seq
-        snap = state.take(self.optimizer, step, seq, out=self._spare[0], extra=self.fw.extra_state(self.model, self.optimizer))
+        snap = state.take(self.optimizer, step, seq, out=self._spare, extra=self.fw.extra_state(self.model, self.optimizer))
         ranks, group = self._shard_group()
         if not self.cfg.buddy or len(ranks) == 1:
             return snap, None
