@@ -82,8 +82,8 @@ class RuntimeConfig:
 
             commit_interval 4, save_interval 6, last 10:
             step   1  2  3  4  5  6  7  8  9  10
-            vote   *     .  *  .  *  .  *  .  *      (* votes; . costs nothing)
-                   |first   |K    |save |K     |last
+            vote   *  .  .  *  .  *  .  *  .  *      (* votes; . costs nothing)
+                 first      K     save  K     last
 
         Step 1 always votes (its record warms the standbys), and so does every checkpoint
         step (a checkpoint holds committed state only). Between two votes there are at
