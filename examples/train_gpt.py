@@ -577,9 +577,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
         out["step_time_s"] = round(time.perf_counter() - ts, 4)
         if manual_gc:
             gc.collect()
-        for done, o in final:
-            if not is_logging_rank():
-                break
+        for done, o in final if is_logging_rank() else ():
             line = json.dumps({
                 "step": done,
                 "loss": o["loss"],

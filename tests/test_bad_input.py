@@ -94,6 +94,8 @@ def test_errors_form_one_hierarchy():
      "'-1': expected a finite number of seconds >= 0"),
     (["launch", "--nproc-per-node", "2", "--commit-interval", "0", "--", "examples/train_gpt.py"],
      "--commit-interval"),
+    (["bench", "hook", "--commit-intervals", "8,5"],
+     "commit intervals [5]: expected divisors of 64 that are >= 2"),
     (["launch", "--nproc-per-node", "2", "--commit-interval", "4", "--", "examples/train_gpt.py",
       "--pitstop-commit-interval", "2"],
      "the training script's --pitstop-commit-interval 2 and pitstop launch's --commit-interval 4 disagree"),

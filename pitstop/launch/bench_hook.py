@@ -12,7 +12,8 @@ Two figures per run, because each can mislead alone:
 
 - ``hook_pct``: the time a rank spends inside ``commit()``, per step of the steady range
   (whole vote windows, step 1 and the last step left out), over the steady step. It is
-  measured in the process, so it is not drowned in run-to-run noise; it is an upper bound, because part of the vote's wait is for the slowest rank, which the next step's
+  measured in the process, so it is not drowned in run-to-run noise; it is an upper
+  bound, because part of the vote's wait is for the slowest rank, which the next step's
   first collective would wait for anyway.
 - ``wall_overhead_pct``: the steady step (median over steps after the first 3) against the
   plain run's, median over the rounds. It catches what the hook figure does not (the
@@ -46,6 +47,16 @@ JOBS = [
     ("world 2 (dp2), one process pinned to each core", 2, ["--pin-core"], 132),
 ]
 SKIP = 3  # the first steps (record, allocator, caches) are not steady
+STEADY = 64  # boundaries in the world-8 job's steady range; the world-2 job has twice as many
+
+
+def check_intervals(intervals: Sequence[int]) -> None:
+    """Each K must tile the steady range (else the hook figure counts a partial window) and
+    leave room for the kill halfway through its second window."""
+    bad = [k for k in intervals if k < 2 or STEADY % k]
+    if bad:
+        raise ValueError(f"commit intervals {bad}: expected divisors of {STEADY} that are >= 2 "
+                         f"(2, 4, 8, 16, 32, 64): each must tile the {STEADY}-step steady range")
 
 
 def _steady(loss_file: Path) -> float:
@@ -88,8 +99,9 @@ def _spread_pct(xs: Sequence[float]) -> float:
 
 def bench_hook(run_dir: str = "runs/bench-hook", rounds: int = 3, intervals: Sequence[int] = (8, 32),
                jobs: Optional[List[tuple]] = None) -> Dict[str, Any]:
+    check_intervals(intervals)
     base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
-    ks = [1] + [k for k in intervals if k != 1]
+    ks = [1] + list(intervals)
     out: Dict[str, Any] = {"rows": [], "rounds": rounds, "commit_intervals": ks, "run_dir": str(base)}
     refs: Dict[str, JobResult] = {}
     for name, world, layout, steps in jobs or JOBS:
@@ -123,7 +135,7 @@ def bench_hook(run_dir: str = "runs/bench-hook", rounds: int = 3, intervals: Seq
 def _recovery(run_dir: Path, ref: Optional[JobResult], interval: int) -> Dict[str, Any]:
     """The price of commit_interval K: a kill between votes redoes the window since the last one."""
     name, world, layout, steps = JOBS[0]
-    kill_step = interval + interval // 2  # halfway through the second window
+    kill_step = min(interval + interval // 2, steps - 1)  # halfway through the second window, or the last one
     fault = Fault.kill(rank=5).at(step=kill_step, phase="backward")
     res = run_job(run_dir, steps, standby=1, nproc=world, gpt=["examples/train_gpt.py", *layout, "--checksum"],
                   faults=fault.spec(), launch_args=["--commit-interval", str(interval), "--hold-for-warm", "600"])

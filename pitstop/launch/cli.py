@@ -239,8 +239,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 ks = [int(x) for x in args.commit_intervals.split(",") if x]
             except ValueError:
                 ks = []
-            if not ks or any(k < 2 for k in ks):
-                raise PitstopError(f"--commit-intervals {args.commit_intervals!r}: expected comma-separated integers >= 2")
+            from pitstop.launch.bench_hook import check_intervals
+
+            try:
+                check_intervals(ks)
+            except ValueError as exc:
+                raise PitstopError(f"--commit-intervals {args.commit_intervals!r}: {exc}") from None
+            if not ks:
+                raise PitstopError(f"--commit-intervals {args.commit_intervals!r}: expected comma-separated integers")
             out = bench_hook(run_dir=args.run_dir, rounds=args.rounds, intervals=ks)
             print(json.dumps(out) if args.json else json.dumps(out, indent=2))
             return 0 if all(r["loss_identical"] for r in out["recovery"]) else 1

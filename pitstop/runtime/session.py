@@ -34,11 +34,12 @@ A timeline of one discarded step (K = 1)::
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -95,9 +96,9 @@ class Session:
         self._drain: Optional[Dict[str, Any]] = None
         self.hook_s = 0.0
         """Seconds spent in :meth:`commit` on committed steps (the steady-state overhead)."""
-        self.boundary_s: List[Tuple[int, float]] = []
-        """(step, seconds in :meth:`commit`) per boundary, in order: the steady-state cost, apart
-        from one-offs (step 1's record, a recovery)."""
+        self.boundary_s: Deque[Tuple[int, float]] = collections.deque(maxlen=4096)
+        """(step, seconds in :meth:`commit`) of the last 4,096 boundaries, in order: the steady-state
+        cost, apart from one-offs (step 1's record, a recovery). Bounded: a job runs for weeks."""
         self.buddy_s = 0.0
         self.steps_committed = 0
         self.stale_refs: List[Any] = []
