@@ -124,6 +124,32 @@ def peak_bytes() -> Optional[int]:
     return None if TRACKER is None else TRACKER.peak_bytes
 
 
+def cuda_memory_report(device: Optional[int] = None) -> Dict[str, int]:
+    """The current CUDA device's memory, split by who holds it::
+
+        device used = allocator reserved (tensors + cached free blocks)
+                    + outside the allocator (CUDA context, NCCL's buffers, library handles)
+
+    ``outside_allocator_bytes`` is what ``max_memory_allocated`` never sees: on a rank
+    with NCCL communicators it holds their buffers, so a peak meant to predict whether a
+    job fits on a device adds it (``scripts/gpu_check`` measures it per communicator).
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_memory_report: CUDA is not available in this process")
+    dev = torch.cuda.current_device() if device is None else device
+    free, total = torch.cuda.mem_get_info(dev)
+    reserved = int(torch.cuda.memory_reserved(dev))
+    return {
+        "allocator_peak_bytes": int(torch.cuda.max_memory_allocated(dev)),
+        "allocator_allocated_bytes": int(torch.cuda.memory_allocated(dev)),
+        "allocator_reserved_bytes": reserved,
+        "allocator_reserved_peak_bytes": int(torch.cuda.max_memory_reserved(dev)),
+        "device_total_bytes": int(total),
+        "device_used_bytes": int(total - free),
+        "outside_allocator_bytes": int(total - free) - reserved,
+    }
+
+
 @contextlib.contextmanager
 def untracked() -> Iterator[None]:
     """For oracles: what they allocate on behalf of virtual peers is not the program's."""

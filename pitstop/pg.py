@@ -151,10 +151,28 @@ def register_python_group(pg: dist.ProcessGroup, name: str, ranks: Sequence[int]
     """Make a Python-implemented group known to c10d like a real one."""
     pg._set_group_name(name)
     pg._set_group_desc(desc)
-    c10d._register_pg_in_world(
-        pg, backend_name=pg.getBackendName(), store=None, group_name=name,
-        backend_config=pg.getBackendName(), rank_mapping={g: i for i, g in enumerate(sorted(ranks))},
-    )
+    mapping = {g: i for i, g in enumerate(sorted(ranks))}
+    if hasattr(c10d, "_register_pg_in_world"):
+        c10d._register_pg_in_world(pg, backend_name=pg.getBackendName(), store=None, group_name=name,
+                                   backend_config=pg.getBackendName(), rank_mapping=mapping)
+    else:
+        _register_pg_in_world_compat(pg, name, mapping)
+
+
+def _register_pg_in_world_compat(pg: dist.ProcessGroup, name: str, mapping: Dict[int, int]) -> None:
+    """What torch 2.13's ``c10d._register_pg_in_world`` does, for a torch without it (2.11,
+    the CUDA image ``scripts/gpu_check`` met): the same tables, filled the same way, so
+    ``get_rank(group)``, tags and name resolution behave alike. ``tests/test_pg.py`` checks
+    the two agree table by table on the torch that has both."""
+    w = c10d._world
+    w.pg_map[pg] = (pg.getBackendName(), None)
+    w.pg_names[pg] = name
+    w.pg_backend_config[pg] = pg.getBackendName()
+    c10d._register_process_group(name, pg)
+    w.pg_group_ranks[pg] = mapping
+    tag = f"ptd:{name}"
+    w.tags_to_pg.setdefault(tag, []).append(pg)
+    w.pg_to_tag[pg] = tag
 
 
 #: Broken groups whose operations may still be pending in their worker threads:

@@ -14,7 +14,29 @@ pytestmark = [
 ]
 
 
+@pytest.mark.timeout(120)
+def test_one_gpu_registry_builds_uses_and_aborts_an_nccl_communicator(job, tmp_path):
+    """What one GPU can check of the NCCL path: pitstop's registry builds a guarded NCCL
+    communicator, an all-reduce on it is right, marking it broken aborts it. The memory NCCL
+    takes outside the caching allocator is reported (``scripts/gpu_check`` keeps it)."""
+    import os
+
+    ctx = job.start("nccl-one", [str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(tmp_path), "one"], range(1), 1)
+    wait_done(job, ctx, timeout=100)
+    res = json.loads((tmp_path / "result_0.json").read_text())
+    dest = os.environ.get("PITSTOP_GPU_CHECK_OUT")
+    if dest:
+        with open(os.path.join(dest, "nccl.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps(res))
+    assert res["sum"] == 1.0 and res["backend"] == "nccl", res
+    assert res["group_name"].startswith("pitstop:g0:"), res
+    assert res["aborted"] is True, res
+
+
 @pytest.mark.timeout(180)
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs two GPUs: NCCL refuses two ranks on one device ('Duplicate GPU detected', seen on an H200)")
 def test_registry_on_nccl_with_gloo_twins(job, tmp_path):
     world = 2
     ctx = job.start("nccl", [str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(tmp_path)], range(world), world)

@@ -23,6 +23,34 @@ def test_private_c10d_api_is_what_pitstop_calls():
     assert "extended_api" in inspect.signature(dist.Backend.register_backend).parameters
 
 
+def test_registration_without_register_pg_in_world_fills_the_same_tables():
+    """``register_python_group`` falls back to :func:`pitstop.pg._register_pg_in_world_compat`
+    on a torch without ``c10d._register_pg_in_world`` (2.11 here on the GPU image). On this
+    torch, which has both, a group registered each way must land in c10d's tables alike."""
+    from pitstop.pg import Fence, GuardedGroup, _register_pg_in_world_compat
+
+    mapping = {3: 0, 5: 1}
+    a = GuardedGroup(None, 0, 2, "t:a", Fence(), kind="tp", backend="gloo")
+    b = GuardedGroup(None, 0, 2, "t:b", Fence(), kind="tp", backend="gloo")
+    c10d._register_pg_in_world(a, backend_name=a.getBackendName(), store=None, group_name="t:a",
+                               backend_config=a.getBackendName(), rank_mapping=mapping)
+    _register_pg_in_world_compat(b, "t:b", mapping)
+    w = c10d._world
+    try:
+        assert w.pg_map[b] == w.pg_map[a] and w.pg_backend_config[b] == w.pg_backend_config[a]
+        assert (w.pg_names[a], w.pg_names[b]) == ("t:a", "t:b")
+        assert w.pg_group_ranks[b] == w.pg_group_ranks[a] == mapping
+        assert (w.pg_to_tag[a], w.pg_to_tag[b]) == ("ptd:t:a", "ptd:t:b")
+        assert w.tags_to_pg["ptd:t:b"] == [b] and w.tags_to_pg["ptd:t:a"] == [a]
+        assert c10d._resolve_process_group("t:b") is b
+    finally:
+        for pg, name in ((a, "t:a"), (b, "t:b")):
+            for table in (w.pg_map, w.pg_names, w.pg_backend_config, w.pg_group_ranks, w.pg_to_tag):
+                table.pop(pg, None)
+            w.tags_to_pg.pop("ptd:" + name, None)
+            c10d._unregister_process_group(name)
+
+
 @pytest.mark.timeout(120)
 def test_world_group_composites_and_bad_replace(job, tmp_path):
     world = 4

@@ -55,9 +55,43 @@ def abort(out_dir):
     os._exit(0 if free else 1)
 
 
+def one(out_dir):
+    """World 1 on one GPU: the registry builds an NCCL communicator through pitstop's own
+    path (a generation prefix, a guarded group), runs an all-reduce on it, and the memory
+    NCCL takes outside the caching allocator is measured around that first collective
+    (where torch creates the communicator); then the group is marked broken, which must
+    abort the communicator, and destroyed."""
+    from pitstop.memory import cuda_memory_report
+
+    torch.cuda.set_device(0)
+    store = connect_from_env()
+    init_world(store, 0, 1, timedelta(seconds=60))
+    x = torch.ones(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    before = cuda_memory_report()
+    reg = GroupRegistry(ParallelLayout(1), store, backend="nccl", timeout=timedelta(seconds=60))
+    reg.build()
+    tp = reg.group("tp")
+    dist.all_reduce(x, group=tp)
+    torch.cuda.synchronize()
+    after = cuda_memory_report()
+    name = getattr(tp, "group_name", "")
+    tp.mark_broken()
+    res = {"sum": x[0].item(), "backend": tp._get_backend_name(), "group_name": name,
+           "aborted": bool(getattr(tp, "aborted", False)),
+           "nccl_outside_allocator_bytes": after["outside_allocator_bytes"] - before["outside_allocator_bytes"],
+           "before": before, "after": after, "nccl_version": ".".join(map(str, torch.cuda.nccl.version()))}
+    reg.destroy()
+    with open(os.path.join(out_dir, "result_0.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
 def main():
     if sys.argv[2:] == ["abort"]:
         return abort(sys.argv[1])
+    if sys.argv[2:] == ["one"]:
+        return one(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank % torch.cuda.device_count())
     store = connect_from_env()
