@@ -94,3 +94,48 @@ def test_missing_checkpoint_errors_name_the_directory(tmp_path):
         checkpoint.load(tmp_path, [], None)
     with pytest.raises(checkpoint.CheckpointNotFoundError, match="iter_0000007 has no pitstop.json"):
         checkpoint.read_meta(tmp_path)
+
+
+def _draws():
+    import random
+
+    import numpy as np
+    import torch
+
+    return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+
+def test_rng_is_written_as_json_and_restored_and_an_old_pickled_file_still_loads(tmp_path):
+    """The checkpoint's RNG file is the snapshot's JSON form (one capture for both); a rank's
+    streams come back exactly. A checkpoint an earlier pitstop wrote (``rank_NNNNN.pt``, its
+    own keys) still restores the same streams."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from pitstop.runtime import checkpoint
+
+    (tmp_path / "rng").mkdir()
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    checkpoint._write_rng(checkpoint._rng_file(tmp_path, 0))
+    assert checkpoint._rng_file(tmp_path, 0).name == "rank_00000.json"
+    json.loads(checkpoint._rng_file(tmp_path, 0).read_text())  # JSON, not a pickle
+    want = _draws()
+    checkpoint._read_rng(tmp_path, 0)
+    assert _draws() == want
+
+    from megatron.core import tensor_parallel
+
+    legacy = tmp_path / "old"
+    (legacy / "rng").mkdir(parents=True)
+    old = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": None,
+           "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    torch.save(old, legacy / "rng" / "rank_00002.pt")
+    want = _draws()
+    checkpoint._read_rng(legacy, 2)
+    assert _draws() == want
+    with pytest.raises(checkpoint.CheckpointError, match="no RNG state for rank 1"):
+        checkpoint._read_rng(legacy, 1)

@@ -15,7 +15,7 @@ On disk::
       iter_0000003/           renamed from iter_0000003.tmp once every rank has written
         metadata.json, common.pt, .metadata, __*.distcp    (dist_checkpointing / DCP)
         pitstop.json          step, layout, sharding type, ``extra`` (rank 0)
-        rng/rank_00005.pt     python, numpy, torch, CUDA and Megatron RNG-tracker states
+        rng/rank_00005.json   python, numpy, torch, CUDA and Megatron RNG-tracker states (as a snapshot's)
 
 A checkpoint counts only once ``latest`` names it, so a save that dies half way never
 shadows the previous one. ``save`` and ``load`` are collective over the world group;
@@ -41,18 +41,17 @@ import json
 import logging
 import os
 import queue
-import random
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from pitstop.errors import PitstopError
+from pitstop.runtime.state import decode_rng, encode_value, rng_state, set_rng_state
 
 __all__ = [
     "CheckpointError",
@@ -351,32 +350,30 @@ def _restore_torch_adam_step(optimizer) -> None:
                     st["step"] = torch.tensor(float(group["step"]), dtype=old.dtype, device=old.device)
 
 
-def _rng_state() -> dict:
-    from megatron.core import tensor_parallel
-
-    return {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                    for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
-    }
+def _write_rng(path: Path) -> None:
+    """This rank's RNG streams, captured as a snapshot captures them (:func:`state.rng_state`,
+    Megatron's tracker included) and written in the same JSON form, never a pickle."""
+    path.write_text(json.dumps(encode_value(rng_state())))
 
 
-def _set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+def _read_rng(ckpt: Path, rank: int) -> None:
+    """Restore what :func:`_write_rng` wrote; a checkpoint from before that format (a pickled
+    ``rank_NNNNN.pt`` that pitstop itself wrote) is still read, so no old run is stranded."""
+    new = _rng_file(ckpt, rank)
+    if new.exists():
+        set_rng_state(decode_rng(new.read_bytes()))
+        return
+    legacy = new.with_suffix(".pt")
+    if not legacy.exists():
+        raise CheckpointError(f"checkpoint {ckpt}: no RNG state for rank {rank} ({new.name} or {legacy.name})")
+    log.warning("checkpoint %s: RNG state in the old pickled form (%s), read once more", ckpt, legacy.name)
+    old = torch.load(legacy, weights_only=False)
+    set_rng_state({"python": old["random"], "numpy": old["numpy"], "torch": old["torch"], "tracker": old["tracker"],
+                   **({"cuda": old["cuda"]} if old.get("cuda") is not None else {})})
 
 
 def _rng_file(path: Path, rank: int) -> Path:
-    return path / "rng" / f"rank_{rank:05d}.pt"
+    return path / "rng" / f"rank_{rank:05d}.json"
 
 
 def _fsync_write(path: Path, data: str) -> None:
@@ -488,7 +485,7 @@ def save(
     dist.barrier()  # the directory exists before anyone writes into it
 
     metadata = {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True}
-    torch.save(_rng_state(), _rng_file(tmp, rank))
+    _write_rng(_rng_file(tmp, rank))
     t1 = time.perf_counter()
     with _compat(in_process_writes=not fork_writers):
         sd = _sharded_state_dict(model, optimizer, metadata, is_loading=False)
@@ -588,7 +585,7 @@ def load(
 
     if rng:
         if same_layout:
-            _set_rng_state(torch.load(_rng_file(path, dist.get_rank()), weights_only=False))
+            _read_rng(path, dist.get_rank())
         else:
             log.warning("checkpoint %s: layout %s differs from %s, RNG states not restored", path, saved, now)
     dist.barrier()  # nobody trains on while a peer is still reading
