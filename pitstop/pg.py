@@ -698,6 +698,28 @@ class GuardedWork(dist._Work):
         return fut
 
 
+#: Every ProcessGroup method that c10d's Python API calls on a group, collectives and
+#: point-to-point alike. A group written in Python must define each one, or the call
+#: reaches the C++ base and fails; the guarded group and the virtual backend both take
+#: their methods from this one table (:func:`install_methods`). torch 2.13's
+#: ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (and coalesced forms) call the
+#: ``*_single`` ones.
+C10D_METHODS = (
+    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced", "all_gather_single", "reduce_scatter_single",
+    "all_gather_single_coalesced", "reduce_scatter_single_coalesced", "broadcast", "reduce", "gather",
+    "scatter", "alltoall", "alltoall_base", "send", "recv", "recv_anysource", "barrier", "monitored_barrier",
+)
+
+
+def install_methods(cls: type, make: Callable[[str], Callable]) -> type:
+    """Give ``cls`` every method of :data:`C10D_METHODS`, each built by ``make(name)``."""
+    for name in C10D_METHODS:
+        setattr(cls, name, make(name))
+    return cls
+
+
 def _forward(what: str):
     def method(self: "GuardedGroup", *args, **kwargs):
         return self._call(what, args, kwargs)
@@ -799,32 +821,8 @@ class GuardedGroup(dist.ProcessGroup):
         except Exception:  # noqa: BLE001
             pass
 
-    allreduce = _forward("allreduce")
-    allreduce_coalesced = _forward("allreduce_coalesced")
-    allgather = _forward("allgather")
-    _allgather_base = _forward("_allgather_base")
-    allgather_coalesced = _forward("allgather_coalesced")
-    allgather_into_tensor_coalesced = _forward("allgather_into_tensor_coalesced")
-    reduce_scatter = _forward("reduce_scatter")
-    _reduce_scatter_base = _forward("_reduce_scatter_base")
-    reduce_scatter_tensor_coalesced = _forward("reduce_scatter_tensor_coalesced")
-    # torch 2.13's all_gather_into_tensor / reduce_scatter_tensor (and their coalesced
-    # forms) call these; on a Python group they would reach the C++ base and fail
-    all_gather_single = _forward("all_gather_single")
-    reduce_scatter_single = _forward("reduce_scatter_single")
-    all_gather_single_coalesced = _forward("all_gather_single_coalesced")
-    reduce_scatter_single_coalesced = _forward("reduce_scatter_single_coalesced")
-    broadcast = _forward("broadcast")
-    reduce = _forward("reduce")
-    gather = _forward("gather")
-    scatter = _forward("scatter")
-    alltoall = _forward("alltoall")
-    alltoall_base = _forward("alltoall_base")
-    send = _forward("send")
-    recv = _forward("recv")
-    recv_anysource = _forward("recv_anysource")
-    barrier = _forward("barrier")
-    monitored_barrier = _forward("monitored_barrier")
+
+install_methods(GuardedGroup, _forward)
 
 
 def _outputs(what: str, args) -> List[torch.Tensor]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from pitstop.memory import untracked
 from pitstop.errors import GroupError
-from pitstop.pg import DoneWork, _outputs
+from pitstop.pg import DoneWork, _outputs, install_methods
 
 VIRTUAL_BACKEND = "pitstop_virtual"
 
@@ -104,30 +104,8 @@ class VirtualGroup(dist.ProcessGroup):
     def group_name(self) -> str:  # c10d keeps names on backends; a Python group has none
         return self._name
 
-    allreduce = _method("allreduce")
-    allreduce_coalesced = _method("allreduce_coalesced")
-    allgather = _method("allgather")
-    _allgather_base = _method("_allgather_base")
-    allgather_coalesced = _method("allgather_coalesced")
-    allgather_into_tensor_coalesced = _method("allgather_into_tensor_coalesced")
-    reduce_scatter = _method("reduce_scatter")
-    _reduce_scatter_base = _method("_reduce_scatter_base")
-    reduce_scatter_tensor_coalesced = _method("reduce_scatter_tensor_coalesced")
-    all_gather_single = _method("all_gather_single")  # torch 2.13's all_gather_into_tensor
-    reduce_scatter_single = _method("reduce_scatter_single")  # and reduce_scatter_tensor
-    all_gather_single_coalesced = _method("all_gather_single_coalesced")
-    reduce_scatter_single_coalesced = _method("reduce_scatter_single_coalesced")
-    broadcast = _method("broadcast")
-    reduce = _method("reduce")
-    gather = _method("gather")
-    scatter = _method("scatter")
-    alltoall = _method("alltoall")
-    alltoall_base = _method("alltoall_base")
-    send = _method("send")
-    recv = _method("recv")
-    recv_anysource = _method("recv_anysource")
-    barrier = _method("barrier")
-    monitored_barrier = _method("monitored_barrier")
+
+install_methods(VirtualGroup, _method)
 
 
 def _create(dist_opts, backend_opts) -> VirtualGroup:  # noqa: ARG001

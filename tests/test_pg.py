@@ -117,3 +117,18 @@ def test_a_joiners_deferred_groups_exist_at_once_and_talk_after_attach(job, tmp_
     for r in res[:3]:
         assert r["pool_after_2"] == r["pool_after_1"], r
     assert res[1]["pool_after_1"] >= 1 and res[2]["pool_after_1"] >= 1, res  # ranks 1, 2 rebuilt groups with 3
+
+
+def test_python_groups_define_every_c10d_method_from_one_table():
+    """The guarded group and the virtual backend take their methods from ``C10D_METHODS``;
+    each name there must exist on torch's ProcessGroup (else the table is stale) and be
+    the Python group's own, not the C++ base's (else the call would fail there)."""
+    from pitstop.pg import C10D_METHODS, GuardedGroup
+    from pitstop.virtual import VirtualGroup
+
+    assert len(set(C10D_METHODS)) == len(C10D_METHODS)
+    missing = [m for m in C10D_METHODS if not hasattr(dist.ProcessGroup, m)]
+    assert not missing, f"torch's ProcessGroup no longer has {missing}"
+    for cls in (GuardedGroup, VirtualGroup):
+        for m in C10D_METHODS:
+            assert m in cls.__dict__, f"{cls.__name__}.{m} would reach the C++ base"
