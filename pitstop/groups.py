@@ -34,11 +34,12 @@ import torch.distributed as dist
 from pitstop import pg as pgmod
 from pitstop.errors import GroupError, RosterError, UnknownGroupKindError
 from pitstop.layout import ParallelLayout
+from pitstop.logtag import tag
 from pitstop.plan import comm_kinds, plan_replace, realization
 from pitstop.roster import ProcessInfo
 from pitstop.store import sealed
 
-log = logging.getLogger("pitstop.groups")
+log = logging.getLogger(__name__)
 
 #: Kinds for which Megatron also wants a gloo twin (its ``*_GLOO`` globals).
 GLOO_TWIN_KINDS = ("dp", "dp-cp", "edp", "intra-dp-cp", "intra-edp")
@@ -274,7 +275,7 @@ class GroupRegistry:
         except BaseException as exc:  # noqa: BLE001 - raised by attach() in the caller's thread
             self._builder_error = exc
             return
-        log.info("[g%d r%d] %d communicators built in the background in %.3fs", self.generation, self.rank,
+        log.info("%s %d communicators built in the background in %.3fs", tag(self.generation, self.rank),
                  sum(len(t) for t in tasks), time.perf_counter() - t0)
 
     @property
@@ -420,7 +421,7 @@ class GroupRegistry:
         plan = plan_replace(self.layout, tuple(sorted(roles)), self.generation, gen)
         kinds = set(plan.rebuilt_kinds(self.rank))
         who = new_process.describe() if new_process else "new processes" if len(roles) > 1 else "a new process"
-        log.info("[g%d r%d] prepare role(s) %s for %s: building %s", gen, self.rank, ",".join(map(str, roles)),
+        log.info("%s prepare role(s) %s for %s: building %s", tag(gen, self.rank), ",".join(map(str, roles)),
                  who, sorted(kinds))
         # built into a private view: the installed entries are never touched, so the
         # training thread may keep using them while this runs

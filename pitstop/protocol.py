@@ -251,6 +251,42 @@ RECORD = Schema("record", {"cls": Field(str, choices=("only", "first", "middle",
 WARM = Schema("warm", {"pid": Field(int, lo=1, hi=2 ** 31), "results": Field(list, max_len=16),
                        "stopped": Field(str), "ok": Field(bool), "rss_bytes": Field(int, **NAT)})
 VOTE = Schema("vote", {"verdict": Field(str, max_len=2048)})
+
+
+class Verdict:
+    """The words a step's vote settles to (the ``verdict`` of :data:`VOTE`), written and read
+    only through here, by the workers' boundary and by the controller::
+
+        "ok"                          every rank arrived healthy: the step (window) is final
+        "switch"                      as ok, and a prepared drain switches after this step
+        "poisoned at r5: <why>"       a rank's groups broke: the window is discarded
+        '{"fault": {...}}'            the controller settled it first: discarded, replaced
+    """
+
+    OK = "ok"
+    SWITCH = "switch"
+    _POISONED = "poisoned"
+    WHY_MAX = 1500
+
+    @classmethod
+    def poisoned(cls, rank: Optional[int], why: str) -> str:
+        """A rank's (or, with ``rank`` None, the reader's own) poisoned verdict."""
+        where = f" at r{rank}" if rank is not None else ""
+        return f"{cls._POISONED}{where}: {str(why)[:cls.WHY_MAX]}"
+
+    @classmethod
+    def fault(cls, fault: Dict[str, Any]) -> str:
+        """The controller's verdict for a step that a failure discards."""
+        return json.dumps({"fault": fault})
+
+    @classmethod
+    def commits(cls, v: Optional[str]) -> bool:
+        """The step is final (ok, or ok with a switch)."""
+        return v in (cls.OK, cls.SWITCH)
+
+    @classmethod
+    def is_poisoned(cls, v: Optional[str]) -> bool:
+        return v is not None and v.startswith(cls._POISONED)
 CLASSES = Schema("classes", {"classes": Field(list, max_len=4)})
 ROSTER = Schema("roster", {}, extra=True)
 LAYOUT = Schema("layout", {"world_size": Field(int, lo=1, hi=2 ** 24), "tp": Field(int, lo=1, hi=2 ** 24),

@@ -52,7 +52,7 @@ from pitstop.virtual import tensors_of
 from pitstop.errors import RecordMismatchError
 from pitstop.layout import ParallelLayout
 
-log = logging.getLogger("pitstop.record")
+log = logging.getLogger(__name__)
 
 FORMAT = 2
 _NO_DATA = ("send", "barrier", "monitored_barrier")

@@ -4,6 +4,7 @@ where it is)."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -229,3 +230,20 @@ except GroupError as e:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "gather [3.0, 4.0] sealed True" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "refused:" in out.stdout and "unauthenticated" in out.stdout and f"rec/op" in out.stdout, out.stdout
+
+
+def test_verdict_words_are_written_and_read_in_one_place():
+    """The boundary writes and the controller reads the vote's words through ``Verdict``:
+    what commits, what is poisoned, the controller's fault marker; a long reason is cut."""
+    from pitstop.protocol import Verdict
+
+    assert Verdict.commits(Verdict.OK) and Verdict.commits(Verdict.SWITCH)
+    long = Verdict.poisoned(5, "x" * 5000)
+    assert long.startswith("poisoned at r5: ") and len(long) == len("poisoned at r5: ") + Verdict.WHY_MAX
+    assert Verdict.is_poisoned(long) and not Verdict.commits(long)
+    assert Verdict.poisoned(None, "the verdict does not verify") == "poisoned: the verdict does not verify"
+    marker = Verdict.fault({"role": 5, "generation": 0})
+    assert json.loads(marker) == {"fault": {"role": 5, "generation": 0}}
+    assert not Verdict.commits(marker) and not Verdict.is_poisoned(marker)
+    assert not Verdict.commits(None) and not Verdict.is_poisoned(None)
+    assert len(long) <= 2048  # fits the VOTE schema's verdict field

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 from pitstop.errors import ConfigError
 from pitstop.runtime.worker import ENV_EMULATE  # the one definition of the variable's name
 
-log = logging.getLogger("pitstop.emulate")
+log = logging.getLogger(__name__)
 
 PHASES = ("trace", "paced", "memory")
 

@@ -23,11 +23,12 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from pitstop.errors import InstallError, require
 from pitstop.groups import GroupRegistry
 from pitstop.layout import ParallelLayout
+from pitstop.logtag import tag
 from pitstop.runtime import sandbox as _sandbox
 from pitstop.runtime.framework import Framework
 from pitstop.emulation import runtime as _emulation  # noqa: F401 - plugs `pitstop emulate` into worker.join
 
-log = logging.getLogger("pitstop.megatron")
+log = logging.getLogger(__name__)
 
 # global -> (kind, what): what is "group", "gloo" or "ranks"
 _SLOTS: Dict[str, Tuple[str, str]] = {
@@ -186,8 +187,8 @@ def install(registry: GroupRegistry, create_gloo_process_groups: Optional[bool] 
     _State.registry = registry
     _State.gloo = create_gloo_process_groups
     log.info(
-        "[g%d r%d] installed %d parallel_state globals (%s)",
-        registry.generation, registry.rank, len(values), layout.describe(),
+        "%s installed %d parallel_state globals (%s)",
+        tag(registry.generation, registry.rank), len(values), layout.describe(),
     )
 
 

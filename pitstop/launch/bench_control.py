@@ -22,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from pitstop.launch.events import CONTROLLER, ROSTER
 from pitstop.runtime import keys
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def bench_control(run_dir: str = "runs/bench-control", steps: int = 10, fuzz_s: 
 
         def during(rd: Path) -> None:
             wait_for_event(rd, "roster")
-            info = json.loads((rd / "controller.json").read_text())
+            info = json.loads((rd / CONTROLLER).read_text())
             counts.update(fuzz_store(info["host"], info["port"], fuzz_s, seed=1))
 
         fault = Fault.kill(rank=5).at(step=4, phase="backward")
@@ -190,13 +191,13 @@ def controller_restart(run_dir: Path, endpoint: str, steps: int, kill_role: int,
     def during(rd: Path) -> None:
         clock.append(CommitClock(rd))
         wait_for_step(rd, 6)
-        pid = json.loads((rd / "controller.json").read_text())["pid"]
+        pid = json.loads((rd / CONTROLLER).read_text())["pid"]
         seen["killed_at"] = time.time()
         os.kill(pid, signal.SIGKILL)
         back = wait_for_event(rd, "controller-resumed", timeout=120)[0]
         seen["back_at"] = back["time"]
         seen["controller_pid"], seen["resumed_pid"] = pid, back["pid"]
-        roster = json.loads((rd / "roster.json").read_text())
+        roster = json.loads((rd / ROSTER).read_text())
         seen["victim"] = roster["roles"][kill_role]["pid"]
         seen["role_killed_at"] = time.time()
         os.kill(seen["victim"], signal.SIGKILL)

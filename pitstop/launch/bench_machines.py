@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+from pitstop.launch.events import ROSTER
 from pitstop.launch.runs import JobResult, machine_addr, run_job, start_machines, wait_for_event, wait_for_step
 from pitstop.runtime.faults import Fault
 
@@ -73,7 +74,7 @@ def bench_machines(steps: int = 10, run_dir: str = "runs/bench-machines") -> Dic
     def roles_pids(d: Path, roles) -> List[int]:
         import json
 
-        roster = json.loads((d / "roster.json").read_text())
+        roster = json.loads((d / ROSTER).read_text())
         return [roster["roles"][r]["pid"] for r in roles]
 
     def two_at_once(m) -> None:  # rank 1 (machine 0) and rank 6 (machine 3); the machines stay up

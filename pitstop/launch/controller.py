@@ -31,18 +31,18 @@ import torch.distributed as dist
 from pitstop import protocol
 from pitstop.errors import PitstopError
 from pitstop.launch.agent import Agent, Proc
-from pitstop.launch.events import CONTROLLER, ROSTER, EventLog, write_private
+from pitstop.launch.events import CHECKPOINTS, CONTROLLER, ROSTER, EventLog, write_private
 from pitstop.launch.nodes import Nodes
 from pitstop.launch.remote import RemoteAgents
 from pitstop.launch.local import worker_env
-from pitstop.protocol import ENV_TOKEN, Channel, Refused, new_token
+from pitstop.protocol import ENV_TOKEN, Channel, Refused, Verdict, new_token
 from pitstop.roster import ProcessInfo, Roster
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig
 from pitstop.runtime.worker import ENV_CONTROLLER, ENV_EPOCH, ENV_GENERATION, ENV_RESUME, ENV_SLOT, ENV_STANDBY
 from pitstop.store import connect, etcd_spec, host_store, parse_endpoint
 
-log = logging.getLogger("pitstop.controller")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -217,7 +217,7 @@ class Controller:
         env["LOCAL_WORLD_SIZE"] = str(self.spec.nproc_per_node)
         env.update(self.cfg.to_env())
         if not self.cfg.save_dir:
-            env["PITSTOP_SAVE_DIR"] = str(self.run_dir / "checkpoints")
+            env["PITSTOP_SAVE_DIR"] = str(self.run_dir / CHECKPOINTS)
         env.update({ENV_CONTROLLER: "1", ENV_TOKEN: self.token, "PITSTOP_RUN_DIR": str(self.run_dir),
                     ENV_EPOCH: str(self.epoch), ENV_GENERATION: str(self.generation)})
         env.update(self.spec.env)
@@ -279,7 +279,7 @@ class Controller:
         if at == self.poison_seen:
             return
         got = self.ch.settled(keys.verdict(*at))
-        if got is not None and got.startswith("poisoned"):
+        if Verdict.is_poisoned(got):
             self.poison_seen = at
             self.agent.suspect()
 
@@ -700,7 +700,7 @@ class Controller:
         checkpoint, or from scratch without one. Bitwise either way, and never a hang."""
         from pitstop.runtime import checkpoint
 
-        save_dir = self.cfg.save_dir or str(self.run_dir / "checkpoints")
+        save_dir = self.cfg.save_dir or str(self.run_dir / CHECKPOINTS)
         resume = checkpoint.latest_step(save_dir) if self.cfg.save_interval else None
         self.events.write("fallback", mode="checkpoint-restart" if resume is not None else "restart-from-scratch",
                           resume_step=resume, reason=f"overlapping failure: {reason}")
@@ -720,11 +720,11 @@ class Controller:
         window past it."""
         first = self._last_committed() + 1
         window = self.cfg.discard_window(first - 1)
-        marker = json.dumps({"fault": fault})
+        marker = Verdict.fault(fault)
         step = window.start
         while step < window.stop:
             got = self.ch.vote(keys.verdict(g, step), marker)
-            if got in ("ok", "switch"):
+            if Verdict.commits(got):
                 first, window = step + 1, self.cfg.discard_window(step)
             step += 1
         return first
@@ -749,7 +749,7 @@ class Controller:
         from pitstop.runtime import checkpoint
 
         g = self.roster.generation
-        save_dir = self.cfg.save_dir or str(self.run_dir / "checkpoints")
+        save_dir = self.cfg.save_dir or str(self.run_dir / CHECKPOINTS)
         resume = checkpoint.latest_step(save_dir) if self.cfg.save_interval else None
         self.events.write("failure", role=roles[0], roles=roles, reason=reason, step=step, generation=g,
                           standbys=len(self.pool))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pitstop.launch.events import EVENTS
 from pitstop.launch.controller import request_drain
 from pitstop.launch.runs import machine_addr, run_job, start_machines, wait_for_event, wait_for_step
 from pitstop.runtime.faults import Fault
@@ -70,7 +71,7 @@ def run_demo(steps: int = 80, run_dir: str = "runs/demo") -> int:
               f"(prepared in the background in {ev['prepare_s']}s; first step after {ev['first_step_s']}s)")
     same = res.losses == ref.losses and res.checksums == ref.checksums
     print(f"\n  loss and parameters identical to the uninterrupted run, bit for bit: {same}")
-    print(f"  events: {base / 'pitstop' / 'events.jsonl'}   (pitstop status --run-dir {base / 'pitstop'})")
+    print(f"  events: {base / 'pitstop' / EVENTS}   (pitstop status --run-dir {base / 'pitstop'})")
     ok = same and bool(res.of("replaced")) and bool(res.of("drained"))
     return 0 if ok and _machines(base / "machines", steps, ref) else 1
 
@@ -102,5 +103,5 @@ def _machines(run_dir: Path, steps: int, ref) -> bool:
               f"pause {ev['pause_s']}s (steady iteration {ev.get('steady_iter_s')}s)")
     same = res.losses == ref.losses and res.checksums == ref.checksums
     print(f"\n  on machines, loss and parameters identical to the uninterrupted run, bit for bit: {same}")
-    print(f"  events: {run_dir / 'events.jsonl'}")
+    print(f"  events: {run_dir / EVENTS}")
     return same and bool(res.of("replaced")) and bool(res.of("drained"))

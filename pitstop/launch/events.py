@@ -13,6 +13,7 @@ from pitstop.roster import Roster
 EVENTS = "events.jsonl"
 ROSTER = "roster.json"
 CONTROLLER = "controller.json"
+CHECKPOINTS = "checkpoints"  # the fallback's checkpoints, unless --save-dir names another place
 
 
 def write_private(path: Path, text: str) -> None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from pitstop.launch.events import EVENTS
+
 ROOT = Path(__file__).resolve().parents[2]
 PITSTOP = [sys.executable, "-m", "pitstop.launch.cli"]
 GPT = ["examples/train_gpt.py", "--tp", "2", "--pp", "2", "--checksum"]
@@ -88,7 +90,7 @@ def collect(run_dir: Path, code: int) -> JobResult:
         for line in lf.read_text().splitlines():
             d = json.loads(line)
             res.losses[d["step"]] = d["loss_hex"]
-    ev = run_dir / "events.jsonl"
+    ev = run_dir / EVENTS
     if ev.exists():
         res.events = [json.loads(l) for l in ev.read_text().splitlines() if l.strip()]
     for path in glob.glob(str(run_dir / "logs" / "*" / "*" / "attempt_0" / "0" / "stdout.log")):
@@ -102,7 +104,7 @@ def collect(run_dir: Path, code: int) -> JobResult:
 
 def wait_for_event(run_dir: Path, kind: str, n: int = 1, timeout: float = 300) -> List[dict]:
     """Block until the controller logged ``n`` events of ``kind``; returns them."""
-    ev = run_dir / "events.jsonl"
+    ev = run_dir / EVENTS
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if ev.exists():

@@ -41,7 +41,7 @@ from pitstop.patches._base import Patch, PatchSet
 
 __all__ = ["PATCHES", "apply", "revert", "is_applied", "extensions_dir_has_shm_op"]
 
-log = logging.getLogger("pitstop.patches.deepspeed_cpu")
+log = logging.getLogger(__name__)
 
 REQUIRES = ">=0.19,<0.20"
 DIST = "deepspeed"

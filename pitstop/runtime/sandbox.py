@@ -37,7 +37,7 @@ from pitstop.record import Record, ReplayOracle
 from pitstop.errors import RecordMismatchError
 from pitstop.virtual import VIRTUAL_BACKEND, register, serving
 
-log = logging.getLogger("pitstop.sandbox")
+log = logging.getLogger(__name__)
 
 #: A script's warmup: set up the current role exactly as the script does at start,
 #: run one training step, tear down; returns that step's outputs (loss, grad norm).
@@ -71,6 +71,11 @@ class WarmupResult:
     """... and were equal, bit for bit: the evidence that the sandboxed iteration computed
     what the real one did (a replayed result would match whatever was computed)."""
     local_mismatch: str = ""
+
+
+def record_file(run_dir: Path, cls: str) -> Path:
+    """Where the recorder of role class ``cls`` writes its iteration (and standbys look)."""
+    return Path(run_dir) / "warmup" / f"{cls}.pt"
 
 
 def run_sandboxed(record: Record, fn: WarmupFn) -> WarmupResult:
@@ -149,7 +154,7 @@ def record_path(meta: Dict[str, Any]) -> Path:
     """Where a published record lies; refused unless it is ``<run-dir>/warmup/<class>.pt``
     of this job (a path read from the store is never opened blindly)."""
     run_dir = Path(os.environ.get("PITSTOP_RUN_DIR", ".")).resolve()
-    want = run_dir / "warmup" / f"{meta['cls']}.pt"
+    want = record_file(run_dir, meta["cls"])
     if Path(meta["path"]).resolve() != want:
         raise RecordMismatchError(f"record of class {meta['cls']} at {meta['path']!r}: expected {want}")
     return want
@@ -286,7 +291,7 @@ def finish_recording(ch, keep: bool, layout=None) -> Optional[Dict[str, Any]]:
         log.info("warmup record of class %s dropped: the first step was discarded", record.cls)
         return None
     run_dir = Path(os.environ.get("PITSTOP_RUN_DIR", "."))
-    path = run_dir / "warmup" / f"{record.cls}.pt"
+    path = record_file(run_dir, record.cls)
     size = record.save(path)
     meta = {"cls": record.cls, "role": record.role, "path": str(path.resolve()), "bytes": size,
             "value_bytes": record.nbytes, "ops": record.count,

@@ -46,6 +46,8 @@ import torch.distributed as dist
 
 from pitstop import pg as pgmod
 from pitstop import protocol
+from pitstop.logtag import tag
+from pitstop.protocol import Verdict
 from pitstop import memory
 from pitstop.errors import PitstopError, RecoveryError
 from pitstop.plan import plan_replace
@@ -56,7 +58,7 @@ from pitstop.runtime.faults import Fault
 from pitstop.runtime.swap import find_groups, swap_groups
 from pitstop.runtime.worker import Membership, require_current
 
-log = logging.getLogger("pitstop.session")
+log = logging.getLogger(__name__)
 
 
 class Session:
@@ -124,7 +126,7 @@ class Session:
 
     # ------------------------------------------------------------------ helpers
     def prefix(self) -> str:
-        return f"[g{self.gen} r{self.rank} step {self.step}]"
+        return tag(self.gen, self.rank, self.step)
 
     def _info(self, msg: str, *args) -> None:
         log.info("%s " + msg, self.prefix(), *args)
@@ -241,8 +243,8 @@ class Session:
         self.fence.armed = False
         verdict = self._vote(step, poisoned)
         if recording:  # the record of iteration 1 is complete (kept only if the step was)
-            sandbox.finish_recording(self.ch, verdict in ("ok", "switch"), self.layout)
-        if verdict in ("ok", "switch"):
+            sandbox.finish_recording(self.ch, Verdict.commits(verdict), self.layout)
+        if Verdict.commits(verdict):
             self._spare = self.snap.data if self.snap else None
             self.snap = pending
             if received is not None:
@@ -257,7 +259,7 @@ class Session:
             self.registry.reap()
             if self.cfg.save_interval and step % self.cfg.save_interval == 0:
                 self._save(step)
-            if verdict == "switch":
+            if verdict == Verdict.SWITCH:
                 self._switch(step)
             if self.cfg.warmup and self.cfg.hold_for_warm_s and self.m.mode == "worker" and self.m.epoch == 0 \
                     and self.steps_committed == 1:
@@ -283,7 +285,7 @@ class Session:
         if self.fence.poisoned and not self._poison_told:
             self._poison_told = True
             why = self.fence.errors[0] if self.fence.errors else f"groups marked broken: {sorted(self.fence.broken)}"
-            self.ch.vote(keys.verdict(self.gen, step - self._provisional), f"poisoned at r{self.rank}: {str(why)[:1500]}")
+            self.ch.vote(keys.verdict(self.gen, step - self._provisional), Verdict.poisoned(self.rank, why))
         self._provisional += 1
         self._held.append((step, report))
         self.steps_committed += 1
@@ -326,19 +328,19 @@ class Session:
         ch, vk = self.ch, keys.verdict(self.gen, step)
         if poisoned:
             why = self.fence.errors[0] if self.fence.errors else f"groups marked broken: {sorted(self.fence.broken)}"
-            ch.vote(vk, f"poisoned at r{self.rank}: {str(why)[:1500]}")
+            ch.vote(vk, Verdict.poisoned(self.rank, why))
         elif ch.add(keys.arrive(self.gen, step), 1) == self.layout.world_size:
-            want = "switch" if ch.read(keys.drain_ready(self.gen), protocol.FLAG) is not None else "ok"
+            want = Verdict.SWITCH if ch.read(keys.drain_ready(self.gen), protocol.FLAG) is not None else Verdict.OK
             got = ch.vote(vk, want)
             if got == want:
                 now = time.time()
                 ch.put(keys.COMMITTED, {"generation": self.gen, "step": step, "time": now}, own=False)
-                if want == "switch":
+                if want == Verdict.SWITCH:
                     ch.put(keys.drain_switch(self.gen), {"step": step, "time": now})
             return got  # the slot's value, settled: no need to wait for it or read it again
         self.store.wait([ch.private(vk)], timedelta(seconds=self.cfg.collective_timeout_s * 2))
         got = ch.settled(vk, present=True)
-        return got if got is not None else "poisoned: the verdict does not verify"
+        return got if got is not None else Verdict.poisoned(None, "the verdict does not verify")
 
     def _save(self, step: int) -> None:
         t0 = time.perf_counter()

@@ -29,7 +29,7 @@ from pitstop.runtime.config import RuntimeConfig
 from pitstop import store as store_mod
 from pitstop.store import ENV_STORE, connect_from_env
 
-log = logging.getLogger("pitstop.worker")
+log = logging.getLogger(__name__)
 
 ENV_CONTROLLER = "PITSTOP_CONTROLLER"   # "1" when a pitstop controller runs the job
 ENV_STANDBY = "PITSTOP_STANDBY"
