@@ -88,3 +88,36 @@ class TraceError(EmulationError, ValueError):
 class ReplayError(EmulationError, RuntimeError):
     """The replay cannot finish: ranks wait on each other forever, or the members of one
     collective disagree on its operation or size."""
+
+
+class CheckpointError(PitstopError, RuntimeError):
+    """A checkpoint could not be saved or loaded; the message names the directory."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No (complete) checkpoint where one was expected."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint was written by a job of another shape than the one loading it."""
+
+
+class HybridError(GroupError):
+    """An operation, option or contribution the hybrid oracle cannot serve, e.g.
+    ``recv_anysource on group pitstop:g0:pp:ab12 (size 4)``."""
+
+
+class EtcdUnavailable(PitstopError, RuntimeError):
+    """etcd did not answer (a ``RuntimeError``, as a lost ``TCPStore`` raises, so code that
+    survives a lost store survives a lost etcd alike)."""
+
+
+class Refused(PitstopError, ValueError):
+    """A control message that is not acted on: unauthenticated, malformed, oversized or replayed.
+
+    ``key`` and ``reason`` are what the ``refused`` event records."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"refused {key}: {reason}")
+        self.key = key
+        self.reason = reason

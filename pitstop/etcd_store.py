@@ -49,7 +49,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from pitstop.errors import PitstopError
+from pitstop.errors import EtcdUnavailable, PitstopError  # noqa: F401 - EtcdUnavailable re-exported
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,6 @@ def _b64(data) -> str:
 
 def _unb64(text: Optional[str]) -> bytes:
     return base64.b64decode(text) if text else b""
-
-
-class EtcdUnavailable(RuntimeError):
-    """etcd did not answer (a ``RuntimeError``, as a lost ``TCPStore`` raises)."""
 
 
 class EtcdStore(dist.Store):

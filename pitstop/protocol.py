@@ -38,7 +38,7 @@ import secrets
 import time
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Union
 
-from pitstop.errors import PitstopError
+from pitstop.errors import PitstopError, Refused  # noqa: F401 - Refused re-exported (pitstop.protocol.Refused)
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +70,6 @@ def take_token_from_env() -> str:
     Once pitstop holds it, the user script's own children (data loader workers,
     shell-outs) do not inherit it. Returns "" when there is none."""
     return os.environ.pop(ENV_TOKEN, "")
-
-
-class Refused(PitstopError, ValueError):
-    """A control message that is not acted on: unauthenticated, malformed, oversized or replayed.
-
-    ``key`` and ``reason`` are what the ``refused`` event records."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"refused {key}: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 def _mac(token: bytes, key: str, payload: bytes) -> bytes:

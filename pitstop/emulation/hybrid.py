@@ -52,16 +52,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from pitstop.errors import GroupError
+from pitstop.errors import HybridError  # noqa: F401 - re-exported (pitstop.emulation.hybrid.HybridError)
 
 R = dist.ReduceOp
 T = torch.Tensor
 Ts = List[torch.Tensor]
-
-
-class HybridError(GroupError):
-    """An operation, option or contribution the hybrid oracle cannot serve, e.g.
-    ``recv_anysource on group pitstop:g0:pp:ab12 (size 4)``."""
 
 
 def members(group) -> List[int]:

@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from pitstop.errors import PitstopError
+from pitstop.errors import (  # noqa: F401 - re-exported: pitstop.runtime.checkpoint.CheckpointError
+    CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, PitstopError)
 from pitstop.runtime.state import decode_rng, encode_value, rng_state, set_rng_state
 
 __all__ = [
@@ -78,18 +79,6 @@ SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
 LATEST = "latest"
 META = "pitstop.json"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(PitstopError, RuntimeError):
-    """A checkpoint could not be saved or loaded; the message names the directory."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No (complete) checkpoint where one was expected."""
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """The checkpoint was written by a job of another shape than the one loading it."""
 
 
 # ------------------------------------------------------------------------ paths
