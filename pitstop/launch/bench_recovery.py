@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from pitstop.launch.controller import request_drain
 from pitstop.launch.runs import JobResult, run_job, wait_for_event, wait_for_step
@@ -100,12 +100,21 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict
 
 #: The DeepSpeed job: world 4, pure data parallel, ZeRO 2 (examples/train_deepspeed.py).
 DS_GPT = ["examples/train_deepspeed.py", "--zero-stage", "2", "--checksum"]
+
+
+def _ds_script(zero_stage: int) -> List[str]:
+    """The DeepSpeed example at ``zero_stage``."""
+    return [DS_GPT[0], "--zero-stage", str(zero_stage), *DS_GPT[3:]]
+
+
 DS_KILL = Fault.kill(rank=2).at(step=4, phase="backward")
 DS_LAUNCH = ["--heartbeat-timeout", "15"]  # DeepSpeed's import and engine build load two cores for seconds
 
 
-def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery-deepspeed") -> Dict[str, Any]:
-    """The same keys as :func:`bench_recovery`, for a DeepSpeed ZeRO-2 engine at world 4.
+def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery-deepspeed",
+                             zero_stage: int = 2) -> Dict[str, Any]:
+    """The same keys as :func:`bench_recovery` plus ``zero_stage``, for a DeepSpeed engine at
+    world 4 (ZeRO stage ``zero_stage``, 2 unless asked).
 
     The baseline is DeepSpeed's own checkpoint restart, as a DeepSpeed user runs it:
     ``engine.save_checkpoint`` every 2 steps, the kill, every process restarted, groups
@@ -116,15 +125,16 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
     other run, and the pause it reports does not depend on it.
     """
     base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
-    ref = run_job(base / "reference", steps, nproc=4, gpt=DS_GPT, launch_args=DS_LAUNCH)
+    gpt = _ds_script(zero_stage)
+    ref = run_job(base / "reference", steps, nproc=4, gpt=gpt, launch_args=DS_LAUNCH)
     if ref.code != 0:
         raise RuntimeError(f"the reference run failed:\n{ref.tails()}")
-    restart = run_job(base / "restart", steps, standby=0, faults=DS_KILL.spec(), nproc=4, gpt=DS_GPT,
+    restart = run_job(base / "restart", steps, standby=0, faults=DS_KILL.spec(), nproc=4, gpt=gpt,
                       launch_args=DS_LAUNCH + ["--save-interval", "2"])
-    unplanned = run_job(base / "unplanned", steps, standby=1, faults=DS_KILL.spec(), nproc=4, gpt=DS_GPT,
+    unplanned = run_job(base / "unplanned", steps, standby=1, faults=DS_KILL.spec(), nproc=4, gpt=gpt,
                         launch_args=DS_LAUNCH)
     drain_steps = max(steps, 24)
-    slow = DS_GPT + ["--step-delay", "0.3"]
+    slow = gpt + ["--step-delay", "0.3"]
     ref_slow = run_job(base / "reference-slow", drain_steps, nproc=4, gpt=slow, launch_args=DS_LAUNCH)
 
     def drain(d: Path) -> None:
@@ -136,7 +146,8 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
                    _identical(unplanned, ref) and _identical(planned, ref_slow))
     return {
         **out,
-        "job": "world 4 (dp4) DeepSpeed ZeRO-2 engine, examples/train_deepspeed.py, CPU/gloo, 1 standby (cold), "
+        "zero_stage": zero_stage,
+        "job": f"world 4 (dp4) DeepSpeed ZeRO-{zero_stage} engine, examples/train_deepspeed.py, CPU/gloo, 1 standby (cold), "
                "kill rank 2 at step 4 (backward), drain rank 1",
         "run_dir": str(base),
     }

@@ -152,6 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--framework", choices=("megatron", "deepspeed"), default="megatron",
                    help="megatron: world-8 GPT vs dist_checkpointing restart; deepspeed: world-4 ZeRO-2 engine "
                         "vs DeepSpeed's save_checkpoint/load_checkpoint restart")
+    r.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="with --framework deepspeed: the engine's ZeRO stage (default 2); the JSON says which")
     fm = bsub.add_parser("faults", help="the full fault matrix (4 roles x 5 phases), each bitwise against an uninterrupted run")
     fm.add_argument("--json", action="store_true")
     fm.add_argument("--run-dir", default="runs/bench-faults")
@@ -254,7 +256,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             from pitstop.launch.bench_recovery import bench_recovery, bench_recovery_deepspeed
 
             if args.framework == "deepspeed":
-                out = bench_recovery_deepspeed(steps=args.steps, run_dir=args.run_dir or "runs/bench-recovery-deepspeed")
+                stage = 2 if args.zero_stage is None else args.zero_stage
+                from pitstop.integrations.deepspeed_config import unsupported
+
+                bad = unsupported({"zero_optimization": {"stage": stage}})
+                if bad:  # before any process starts: nothing half-way
+                    raise PitstopError(f"--zero-stage {stage}: " + "; ".join(bad))
+                out = bench_recovery_deepspeed(steps=args.steps, zero_stage=stage,
+                                               run_dir=args.run_dir or "runs/bench-recovery-deepspeed")
+            elif args.zero_stage is not None:
+                raise PitstopError(f"--zero-stage {args.zero_stage}: only with --framework deepspeed (the Megatron "
+                                   "bench uses Megatron's distributed optimizer)")
             else:
                 out = bench_recovery(steps=args.steps, run_dir=args.run_dir or "runs/bench-recovery")
             print(json.dumps(out) if args.json else json.dumps(out, indent=2))
