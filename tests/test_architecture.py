@@ -38,6 +38,7 @@ LAYERS: Dict[str, int] = {
     "pitstop.emulation": 3,
     "pitstop.integrations": 4,
     "pitstop.launch": 5,
+    "pitstop.bench": 6, "pitstop.cli": 6,
 }
 
 
@@ -91,7 +92,7 @@ def test_the_parser_sees_lazy_imports_inside_functions():
     found = imports()["pitstop.launch.cli"]
     assert any(dep.startswith("pitstop.launch.") for dep, _ in found), sorted(found)[:10]
     assert layer_of("pitstop.record") == 1 and layer_of("pitstop.emulation.hybrid") == 3
-    assert layer_of("pitstop.runtime.session") == 2 and layer_of("pitstop.launch.bench_recovery") == 5
+    assert layer_of("pitstop.runtime.session") == 2 and layer_of("pitstop.bench.recovery") == 6
 
 
 def test_no_import_points_to_a_higher_layer():

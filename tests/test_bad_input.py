@@ -61,7 +61,7 @@ def test_cli_rejects_a_layout_that_does_not_divide_before_starting(tmp_path):
 
 
 def test_cli_rejects_an_unknown_flag():
-    out = subprocess.run([sys.executable, "-m", "pitstop.launch.cli", "demo", "--tensor-parallel", "2"],
+    out = subprocess.run([sys.executable, "-m", "pitstop.cli", "demo", "--tensor-parallel", "2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--tensor-parallel" in out.stderr
 
@@ -140,7 +140,7 @@ def test_launcher_refuses_bad_input_before_starting_anything(argv, message, caps
 
 
 def _main_code(argv) -> int:
-    from pitstop.launch.cli import main
+    from pitstop.cli import main
 
     try:
         return main(argv)

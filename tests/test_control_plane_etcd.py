@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pitstop.launch.bench_control import controller_restart
+from pitstop.bench.control import controller_restart
 from pitstop.launch.runs import run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

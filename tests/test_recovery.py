@@ -260,7 +260,7 @@ def test_junk_on_every_control_key_is_refused_and_a_killed_rank_is_still_replace
     import threading
     import time
 
-    from pitstop.launch.bench_control import fuzz_store
+    from pitstop.bench.control import fuzz_store
     from pitstop.launch.runs import wait_for_event
 
     counts = {}

@@ -54,7 +54,7 @@ def timing(world: int = 8, tp: int = 2, pp: int = 2, role: int = 5, timeout: flo
     """Run the timing worker on ``world`` local processes; max over ranks of each figure."""
     from pitstop.launch.local import LocalJob
 
-    worker = str(Path(__file__).with_name("bench_groups_worker.py"))
+    worker = str(Path(__file__).with_name("groups_worker.py"))
     with tempfile.TemporaryDirectory(prefix="pitstop-bench-") as tmp:
         job = LocalJob(Path(tmp))
         try:
