@@ -17,8 +17,9 @@ It runs under any launcher that sets ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
   of ``(step, dp_rank)`` and a replacement rank, or a rerun, sees the same tokens. Each sequence is
   an arithmetic progression modulo the vocabulary (random start and stride), so the loss falls.
 * **DeepSpeed.** ``deepspeed.initialize(model=, model_parameters=, config=dict)``, ZeRO stage
-  from ``--zero-stage``, fp32, ``Adam`` with ``"torch_adam": true`` (no fused CPU Adam build),
-  gradient clipping 1.0. The config goes through
+  from ``--zero-stage``, fp32 (``--bf16``: ``"bf16": {"enabled": true}``, bf16 parameters and
+  activations, fp32 master weights and moments in the optimizer), ``Adam`` with
+  ``"torch_adam": true`` (no fused CPU Adam build), gradient clipping 1.0. The config goes through
   :func:`pitstop.integrations.deepspeed_config.strip_section` (``--config FILE`` may carry a
   ``"pitstop"`` section; the validated section is left on ``engine.pitstop_section``).
 * **Groups.** ``--mpu none`` (default) lets DeepSpeed clone the world for its data-parallel group;
@@ -32,6 +33,9 @@ Rank 0 prints one JSON line per step, ``{"step": s, "loss": ..., "loss_hex": ...
 averaged over the data-parallel group; ``json`` writes floats with ``repr``, which round-trips
 exactly), and at the end ``{"checksum": ...}``: the SHA-256 of every full parameter's bytes in
 ``named_parameters`` order (ZeRO-3 gathers them with ``deepspeed.zero.GatheredParameters``).
+With ``--checksum`` every rank also prints ``param_sha256``, the SHA-256 of its whole state
+(:func:`state_checksum`: parameters, its optimizer partition's master weights and moments, the
+loss scaler and step counters), and ``model_sha256``, the parameters' alone.
 
 The pieces are importable so a runtime can drive the loop: :func:`setup` returns
 ``(engine, data_fn)``, ``data_fn(step)`` is this rank's batch of a step and
@@ -85,6 +89,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--bf16", action="store_true",
+                   help='bf16 parameters and activations ("bf16": {"enabled": true}); the ZeRO optimizer keeps '
+                        "fp32 master weights and Adam moments of its partition")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--deepspeed_config", "--deepspeed-config", "--config", dest="config", default=None, metavar="JSON",
                    help="a DeepSpeed config file merged over the built-in one; its \"pitstop\" section "
@@ -94,7 +101,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "drives the loop (standby replacement, drain); deepspeed: plain deepspeed.initialize")
     p.add_argument("--loss-file", default=None, help="append the per-step JSON lines here (any process that "
                                                          "plays rank 0 appends, a joiner included)")
-    p.add_argument("--checksum", action="store_true", help="print every rank's parameter checksum at the end")
+    p.add_argument("--checksum", action="store_true",
+                   help="print every rank's state checksum (parameters, optimizer partition, counters) at the end")
     p.add_argument("--track-memory", action="store_true",
                    help="count tensor memory from the start (pitstop.memory) and print its peak with "
                         "--checksum: what `pitstop emulate` reports for a real rank")
@@ -188,6 +196,8 @@ def ds_config(args: argparse.Namespace) -> dict:
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
     }
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
     if args.config:
         with open(args.config) as f:
             _merge(config, json.load(f))
@@ -305,6 +315,47 @@ def checksum(engine) -> str:
     return h.hexdigest()
 
 
+def state_checksum(engine) -> str:
+    """SHA-256 over this rank's whole training state: the full parameters (:func:`checksum`), then
+    the optimizer's own tensors (the fp32 master weights of its ZeRO partition, or of the whole
+    model at ZeRO 0, and every Adam moment and step), the loss scaler's and the engine's counters.
+    Under ZeRO 1/2 it differs between data-parallel ranks (each holds its own partition). With
+    ``--bf16`` the parameters are rounded copies of the fp32 master weights, so they alone could
+    hide a carry-over that is wrong below bf16's resolution."""
+    h = hashlib.sha256(checksum(engine).encode())
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)  # ZeRO's or the fp16/bf16 wrapper's torch optimizer, or itself
+    for g, group in enumerate(inner.param_groups):
+        for j, p in enumerate(group["params"]):
+            h.update(f"g{g}.p{j}".encode())
+            h.update(_bytes(p))
+            for key in sorted(inner.state.get(p, {})):
+                v = inner.state[p][key]
+                if torch.is_tensor(v):
+                    h.update(key.encode())
+                    h.update(_bytes(v))
+    for attr in ("loss_scaler", "loss_scale_config"):  # every plain field, not only those pitstop carries
+        scaler = getattr(opt, attr, None)
+        if scaler is not None:
+            fields = {k: v for k, v in sorted(vars(scaler).items()) if v is None or isinstance(v, (bool, int, float))}
+            h.update(f"{attr}={fields!r}".encode())
+    # the counters DeepSpeed's own checkpoint keeps (micro_steps restarts at 0 after load_checkpoint)
+    counters = {k: getattr(engine, k) for k in ("global_steps", "global_samples", "skipped_steps")}
+    h.update(repr(counters).encode())
+    return h.hexdigest()
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def dtypes(engine) -> dict:
+    """The parameters' dtypes and the optimizer's master weights' (what ``--bf16`` changes)."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return {"params": sorted({str(p.dtype) for p in engine.module.parameters()}),
+            "master": sorted({str(p.dtype) for group in inner.param_groups for p in group["params"]})}
+
+
 def _peak_tensor_bytes():
     from pitstop import memory
 
@@ -356,7 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f.write(line + "\n")
     digest = checksum(engine)
     if args.checksum:
-        print(json.dumps({"rank": rank, "param_sha256": digest, "zero_stage": args.zero_stage,
+        print(json.dumps({"rank": rank, "param_sha256": state_checksum(engine), "model_sha256": digest,
+                          "dtypes": dtypes(engine), "zero_stage": args.zero_stage,
                           "steps_committed": session.steps_committed if session else args.steps,
                           "stale_refs": len(session.stale_refs) if session else 0,
                           "hook_s": round(session.hook_s, 4) if session else 0.0,

@@ -167,7 +167,7 @@ def test_a_directory_given_for_a_file_is_refused(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("config, needle", [
     ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer.device='cpu'"),
-    ({"bf16": {"enabled": True}}, "bf16.enabled=true"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled=true"),
     ({"pipeline": {"stages": 2}}, "pipeline engine"),
 ])
 def test_launch_refuses_a_deepspeed_feature_pitstop_does_not_support(tmp_path, capsys, monkeypatch, config, needle):

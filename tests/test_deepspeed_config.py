@@ -15,7 +15,9 @@ from pitstop.integrations.deepspeed_config import (
     keys_table,
     load_config,
     parse_section,
+    refuse_unsupported,
     strip_section,
+    unsupported,
 )
 from pitstop.runtime.config import RuntimeConfig
 
@@ -227,6 +229,37 @@ def test_config_files_with_duplicate_keys_or_bad_json_are_refused(tmp_path):
 def test_a_misspelt_section_is_refused_not_ignored(key):
     with pytest.raises(ConfigError, match=f"DeepSpeed config key '{key}': did you mean 'pitstop'"):
         strip_section({**DS, key: {"standby": 1}})
+
+
+# --------------------------------------------------------------- what pitstop refuses
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_bf16_is_supported_at_zero_0_1_and_2(stage):
+    for key in ("bf16", "bfloat16"):  # DeepSpeed's name and its old one
+        assert unsupported({**DS, "zero_optimization": {"stage": stage}, key: {"enabled": True}}) == []
+    # grad_accum_dtype bf16 keeps DeepSpeed on its ZeRO optimizer, the one pitstop carries
+    assert unsupported({**DS, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
+                        "data_types": {"grad_accum_dtype": "bf16"}}) == []
+
+
+def test_fp16_is_refused_naming_the_value_and_why():
+    with pytest.raises(ConfigError) as exc:
+        refuse_unsupported({**DS, "fp16": {"enabled": True}})
+    msg = str(exc.value)
+    assert "fp16.enabled=true" in msg and "is_fp16_supported() is False" in msg and "use bf16.enabled=true" in msg
+    assert unsupported({**DS, "fp16": {"enabled": False}}) == []
+
+
+@pytest.mark.parametrize("accum", ["fp32", "float32", "torch.float32"])
+def test_bf16_at_zero1_with_fp32_gradient_accumulation_is_refused(accum):
+    """That combination makes DeepSpeed pick its BF16_Optimizer, whose fp32 gradient
+    accumulators a rollback would not reset."""
+    for key in ("bf16", "bfloat16"):
+        bad = unsupported({**DS, "zero_optimization": {"stage": 1}, key: {"enabled": True},
+                           "data_types": {"grad_accum_dtype": accum}})
+        assert len(bad) == 1 and f"data_types.grad_accum_dtype={accum!r} with {key}.enabled=true" in bad[0], bad
+        assert "BF16_Optimizer" in bad[0]
+    # ZeRO 2 keeps the ZeRO optimizer with fp32 accumulation
+    assert unsupported({**DS, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}) == []
 
 
 # ------------------------------------------------------------------- documentation

@@ -288,6 +288,88 @@ def test_the_shm_op_patch_fits_and_reverts():
         deepspeed_cpu.apply(force=True)
 
 
+# ------------------------------------------------------------------ the loss scaler
+def _through_the_wire(st):
+    """What a peer receives: the snapshot header's JSON form (no pickle)."""
+    from pitstop.runtime.state import decode_value, encode_value
+
+    return decode_value(json.loads(json.dumps(encode_value(st))))
+
+
+def test_a_dynamic_loss_scalers_state_is_carried_exactly():
+    """DeepSpeed's real ``DynamicLossScaler`` (what ZeRO 1/2 run with fp16): the state captured
+    after an overflow mid-hysteresis crosses the wire and, written into a fresh scaler, makes it
+    grow its scale at the very iterations the original does. A fresh scaler left alone does not.
+    (The holder stands in for the ZeRO optimizer, which keeps the scaler as ``loss_scaler``.)"""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from pitstop.integrations.deepspeed import loss_scaler_state, set_loss_scaler_state
+
+    def make():
+        return DynamicLossScaler(init_scale=2.0 ** 16, scale_window=3, min_scale=1.0, delayed_shift=2,
+                                 consecutive_hysteresis=False)
+
+    def holder(scaler):
+        return SimpleNamespace(loss_scaler=scaler, custom_loss_scaler=False, external_loss_scale=None)
+
+    leaver = holder(make())
+    for _ in range(4):
+        leaver.loss_scaler.update_scale(False)  # the scale doubles once the window of 3 is stable
+    # an overflow with hysteresis left, as update_scale(True) records it (its logging needs a process group)
+    s = leaver.loss_scaler
+    s.cur_hysteresis -= 1
+    s.last_overflow_iter = s.cur_iter
+    s.cur_iter += 1
+    st = loss_scaler_state(leaver)
+    assert st == {"type": "DynamicLossScaler", "cur_scale": 2.0 ** 17, "cur_iter": 5, "last_overflow_iter": 4,
+                  "cur_hysteresis": 1, "custom_loss_scaler": False, "external_loss_scale": None}, st
+    joiner, untouched = holder(make()), holder(make())
+    set_loss_scaler_state(joiner, _through_the_wire(st))
+    assert vars(joiner.loss_scaler) == vars(leaver.loss_scaler)
+
+    def scales(h):
+        out = []
+        for _ in range(8):
+            h.loss_scaler.update_scale(False)
+            out.append((h.loss_scaler.cur_scale, h.loss_scaler.cur_hysteresis))
+        return out
+
+    expected = scales(leaver)
+    assert scales(joiner) == expected
+    assert scales(untouched) != expected
+
+
+def test_the_zero0_optimizers_loss_scale_config_is_carried_and_a_mismatch_is_refused():
+    """``FP16_UnfusedOptimizer`` (bf16 or fp16 at ZeRO 0) keeps its scale in a ``LossScaleConfig``;
+    a peer's state of another kind of scaler, or a value that is not a plain number, is refused
+    by name rather than written."""
+    from types import SimpleNamespace
+
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig, LossScaleProfile, LossScaler
+
+    from pitstop.errors import RecoveryError
+    from pitstop.integrations.deepspeed import loss_scaler_state, set_loss_scaler_state
+
+    def config():
+        return LossScaleConfig(low_precision_dtype=torch.float16, dynamic_loss_scale=True, static_loss_scale=1.0,
+                               dynamic_loss_args=None, profile=LossScaleProfile.UNFUSED)
+
+    a, b = SimpleNamespace(loss_scale_config=config()), SimpleNamespace(loss_scale_config=config())
+    a.loss_scale_config.cur_scale, a.loss_scale_config.cur_iter, a.loss_scale_config.last_overflow_iter = 512.0, 7, 3
+    set_loss_scaler_state(b, _through_the_wire(loss_scaler_state(a)))
+    assert vars(b.loss_scale_config) == vars(a.loss_scale_config)
+
+    static = SimpleNamespace(loss_scaler=LossScaler(1.0), custom_loss_scaler=False, external_loss_scale=None)
+    with pytest.raises(RecoveryError, match="LossScaleConfig.*LossScaler"):
+        set_loss_scaler_state(static, loss_scaler_state(a))
+    a.loss_scale_config.cur_scale = torch.tensor(512.0)
+    with pytest.raises(RecoveryError, match="cur_scale=tensor.*expected a Python number"):
+        loss_scaler_state(a)
+
+
 # ------------------------------------------------------------------ the walk worker
 def _walk(out: str) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

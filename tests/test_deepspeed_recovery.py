@@ -1,11 +1,12 @@
-"""Tier 3: standby replacement and drain of a real DeepSpeed engine (ZeRO 1 and 2) on CPU.
+"""Tier 3: standby replacement and drain of a real DeepSpeed engine (ZeRO 0, 1 and 2) on CPU.
 
 World 4, pure data parallel, ``examples/train_deepspeed.py`` under ``pitstop launch``.
 Real processes are SIGKILLed by the fault injector at a chosen step and phase; a standby
 takes the role with state from the data-parallel peers (the buddy copy of the ZeRO
 partition, then DeepSpeed's own all-gather of the parameters); no checkpoint exists.
-Every per-step loss and every rank's final parameter checksum must be bitwise equal to
-an uninterrupted run, and no reference to a retired group may survive the swap.
+Every per-step loss and every rank's final state checksum (parameters, its ZeRO partition's
+master weights and moments, loss scaler, counters) must be bitwise equal to an uninterrupted
+run, in fp32 and in bf16, and no reference to a retired group may survive the swap.
 """
 
 import pytest
@@ -28,12 +29,28 @@ def _gpt(stage, *extra):
 
 
 def _assert_same(res, ref, n_ranks=4):
+    """Same losses, same parameters, and rank by rank the same whole state (the example's
+    ``param_sha256``: parameters, the rank's ZeRO partition of master weights and moments, the
+    loss scaler, the step counters)."""
     assert res.code == 0 and ref.code == 0, res.tails()
     assert sorted(res.losses) == list(range(1, len(ref.losses) + 1)), res.tails()
     assert res.losses == ref.losses, (res.losses, ref.losses)
-    assert len(set(ref.checksums.values())) == 1  # data parallel: every rank holds the same parameters
+    models = {d["model_sha256"] for d in ref.stats}
+    assert len(models) == 1, ref.stats  # data parallel: every rank holds the same parameters
+    assert {d["model_sha256"] for d in res.stats} == models, res.stats
     assert sorted(res.checksums) == list(range(n_ranks)), res.tails()
-    assert set(res.checksums.values()) == set(ref.checksums.values())
+    assert res.checksums == ref.checksums, (res.checksums, ref.checksums)
+
+
+def _bf16_reference(run_dir, steps, stage, *extra):
+    """The uninterrupted bf16 run; checks the mixed-precision path really ran and that the state
+    checksums see each rank's own partition (they differ between ranks at ZeRO 1/2; at ZeRO 0
+    every rank holds all master weights)."""
+    ref = run_job(run_dir, steps, nproc=4, gpt=_gpt(stage, "--bf16", *extra), timeout=400)
+    assert ref.code == 0, ref.tails()
+    assert all(d["dtypes"] == {"params": ["torch.bfloat16"], "master": ["torch.float32"]} for d in ref.stats), ref.stats
+    assert len(set(ref.checksums.values())) == (1 if stage == 0 else 4), ref.checksums
+    return ref
 
 
 @pytest.mark.slow
@@ -67,6 +84,46 @@ def test_zero2_planned_drain_is_bitwise_identical(tmp_path):
 
     res = run_job(tmp_path / "run", steps, standby=1, nproc=4, gpt=_gpt(2, *slow), timeout=600, during=during,
                   launch_args=LAUNCH)
+    _assert_same(res, ref)
+    d = res.of("drained")
+    assert len(d) == 1 and d[0]["role"] == 2 and d[0]["generation"] == 1, res.tails()
+    assert d[0]["pause_s"] is not None and d[0]["pause_s"] < 5 and d[0]["stale_refs"] == 0, d
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("stage", [2, 1, 0])
+def test_bf16_sigkill_replacement_is_bitwise_identical(tmp_path, stage):
+    """bf16 parameters and activations, fp32 master weights and Adam moments: at ZeRO 1/2 in the
+    rank's partition, whose bf16 parameters DeepSpeed's ``update_lp_params`` rebuilds; at ZeRO 0
+    (DeepSpeed's FP16_UnfusedOptimizer) all of them, rounded into the bf16 parameters by pitstop.
+    The joiner takes master weights, moments, loss scaler and counters from the buddy copy.
+    Killed mid-backward (gradients half reduced) and just before the optimizer step."""
+    ref = _bf16_reference(tmp_path / "ref", STEPS, stage)
+    faults = Fault.kill(rank=2).at(step=2, phase="backward") + Fault.kill(rank=0).at(step=4, phase="optimizer")
+    res = run_job(tmp_path / "run", STEPS, standby=2, faults=faults.spec(), nproc=4, gpt=_gpt(stage, "--bf16"),
+                  timeout=600, launch_args=LAUNCH)
+    _assert_same(res, ref)
+    rep = res.of("replaced")
+    assert [e["role"] for e in rep] == [2, 0], res.tails()
+    assert all(e["stale_refs"] == 0 and e["swapped"] > 0 for e in rep), rep
+    assert not res.of("restarted") and not res.of("fallback"), res.tails()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bf16_zero2_planned_drain_is_bitwise_identical(tmp_path):
+    """The leaver hands its snapshot (fp32 partition, moments, scaler, counters) and its bf16
+    flat parameter groups to the joiner at a boundary, as in fp32."""
+    steps, slow = 24, ["--step-delay", "0.5"]
+    ref = _bf16_reference(tmp_path / "ref", steps, 2, *slow)
+
+    def during(run_dir):
+        wait_for_step(run_dir, 1)
+        request_drain(run_dir, rank=2)
+
+    res = run_job(tmp_path / "run", steps, standby=1, nproc=4, gpt=_gpt(2, "--bf16", *slow), timeout=600,
+                  during=during, launch_args=LAUNCH)
     _assert_same(res, ref)
     d = res.of("drained")
     assert len(d) == 1 and d[0]["role"] == 2 and d[0]["generation"] == 1, res.tails()

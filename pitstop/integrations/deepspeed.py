@@ -182,9 +182,75 @@ def destroy() -> None:
         reg.destroy()
 
 
+# ------------------------------------------------------------------------ the loss scaler
+#: What a DeepSpeed loss scaler changes while it trains: ``DynamicLossScaler`` (ZeRO 1/2 with fp16) has all
+#: four, ``LossScaleConfig`` (the fp16/bf16 optimizers of ZeRO 0) the first three, the static ``LossScaler``
+#: (bf16, fp32 and fp16 with a fixed ``loss_scale``) ``cur_scale`` alone. Its settings (window, factor,
+#: minimum, hysteresis depth) come from the config, which the joiner was built from too.
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+#: The optimizer's own override of its scaler (``override_loss_scale``).
+SCALER_OVERRIDE_FIELDS = ("custom_loss_scaler", "external_loss_scale")
+
+
+def loss_scaler_of(optimizer) -> Any:
+    """The object that holds ``optimizer``'s loss-scale state, or None (a plain torch optimizer:
+    fp32 at ZeRO 0). ZeRO 1/2 keep a ``loss_scaler``; ``FP16_Optimizer`` and
+    ``FP16_UnfusedOptimizer`` (fp16 or bf16 at ZeRO 0) a ``loss_scale_config``."""
+    for attr in ("loss_scaler", "loss_scale_config"):
+        scaler = getattr(optimizer, attr, None)
+        if scaler is not None:
+            return scaler
+    return None
+
+
+def _scalar(name: str, v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float)):
+        return v
+    from pitstop.errors import RecoveryError
+
+    raise RecoveryError(f"loss scaler {name}={v!r}: expected a Python number or None to carry over, got "
+                        f"{type(v).__name__}")
+
+
+def loss_scaler_state(optimizer) -> Dict[str, Any]:
+    """The loss scaler's changing fields (and the optimizer's override) as plain numbers: what a
+    joiner needs so its next step scales, skips and grows the scale exactly as the role would
+    have. JSON-safe (it travels in the snapshot's header); empty when there is no scaler."""
+    out: Dict[str, Any] = {}
+    scaler = loss_scaler_of(optimizer)
+    if scaler is not None:
+        out["type"] = type(scaler).__name__
+        for f in SCALER_FIELDS:
+            if hasattr(scaler, f):
+                out[f] = _scalar(f, getattr(scaler, f))
+    for f in SCALER_OVERRIDE_FIELDS:
+        if hasattr(optimizer, f):
+            out[f] = _scalar(f, getattr(optimizer, f))
+    return out
+
+
+def set_loss_scaler_state(optimizer, st: Dict[str, Any]) -> None:
+    """Write :func:`loss_scaler_state` of a peer into ``optimizer``. Refuses state of another kind of
+    scaler or with other fields (the joiner was built with another precision config)."""
+    from pitstop.errors import RecoveryError
+
+    have = loss_scaler_state(optimizer)
+    if not isinstance(st, dict) or sorted(st) != sorted(have) or st.get("type") != have.get("type"):
+        raise RecoveryError(f"loss scaler state {st!r}: this role's optimizer has {have.get('type')} with "
+                            f"{sorted(have)}: the joiner was built with another precision config")
+    scaler = loss_scaler_of(optimizer)
+    for f in SCALER_FIELDS:
+        if f in st:
+            setattr(scaler, f, _scalar(f, st[f]))
+    for f in SCALER_OVERRIDE_FIELDS:
+        if f in st:
+            setattr(optimizer, f, _scalar(f, st[f]))
+
+
 # ------------------------------------------------------------------- the runtime's adapter
 class DeepSpeedFramework(Framework):
-    """A DeepSpeed engine with ZeRO stage 0, 1 or 2, data parallel over pitstop's dp group."""
+    """A DeepSpeed engine with ZeRO stage 0, 1 or 2, data parallel over pitstop's dp group, in fp32
+    or bf16 (the optimizer's fp32 master weights are the state; the bf16 parameters are derived)."""
 
     name = "deepspeed"
     shard_kind = "dp"
@@ -212,6 +278,7 @@ class DeepSpeedFramework(Framework):
         sched = getattr(e, "lr_scheduler", None)
         if sched is not None and hasattr(sched, "state_dict"):
             out["lr_scheduler"] = sched.state_dict()
+        out["loss_scaler"] = loss_scaler_state(optimizer)
         return out
 
     def set_extra_state(self, model: Sequence[Any], optimizer, extra: Dict[str, Any]) -> None:
@@ -221,6 +288,8 @@ class DeepSpeedFramework(Framework):
                 setattr(e, k, extra[k])
         if "lr_scheduler" in extra and getattr(e, "lr_scheduler", None) is not None:
             e.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if "loss_scaler" in extra:
+            set_loss_scaler_state(optimizer, extra["loss_scaler"])
 
     def prepare_rollback(self, model: Sequence[Any], optimizer) -> None:
         # a step discarded mid-backward leaves reduced (or half-reduced) gradients behind
@@ -229,6 +298,15 @@ class DeepSpeedFramework(Framework):
     def resync_params(self, model: Sequence[Any], optimizer) -> None:
         if hasattr(optimizer, "update_lp_params"):  # ZeRO 1/2: fp32 partition -> bit16 + all-gather
             optimizer.update_lp_params()
+        elif hasattr(optimizer, "fp32_groups") and hasattr(optimizer, "fp16_groups"):
+            # ZeRO 0 in bf16/fp16 (FP16_UnfusedOptimizer): every rank holds all fp32 master weights; the
+            # low-precision parameters are their rounding, as the optimizer's own step writes them
+            for hp_group, lp_group in zip(optimizer.fp32_groups, optimizer.fp16_groups):
+                for hp, lp in zip(hp_group, lp_group):
+                    lp.data.copy_(hp.data)
+        elif hasattr(optimizer, "fp32_groups_flat") and hasattr(optimizer, "fp16_groups_flat"):
+            for hp, lp in zip(optimizer.fp32_groups_flat, optimizer.fp16_groups_flat):  # FP16_Optimizer (fused)
+                lp.data.copy_(hp.data)
 
     def save(self, ckpt_dir: str, step: int, model: Sequence[Any], optimizer) -> None:
         """DeepSpeed's own ``save_checkpoint`` (tag ``iter_0000012``), then pitstop's ``latest``

@@ -290,11 +290,21 @@ def unsupported(data: Mapping[str, Any]) -> List[str]:
         if dev not in (None, "none"):
             out.append(f"zero_optimization.{k}.device={dev!r}: offload is not supported (the state a joiner "
                        "needs would live in CPU or NVMe buffers pitstop does not hand over)")
-    for k in ("fp16", "bf16"):
-        sect = data.get(k) or {}
-        if isinstance(sect, Mapping) and sect.get("enabled"):
-            out.append(f"{k}.enabled=true: pitstop's DeepSpeed integration runs fp32 only for now "
-                       "(the loss scaler and low-precision master state are not carried over)")
+    fp16 = data.get("fp16") or {}
+    if isinstance(fp16, Mapping) and fp16.get("enabled"):
+        out.append("fp16.enabled=true: DeepSpeed's CPU accelerator has no fp16 without oneDNN fp16 support "
+                   "(is_fp16_supported() is False on the CPUs pitstop is tested on), so pitstop's fp16 path "
+                   "(carrying the dynamic loss scaler) has never run end to end; use bf16.enabled=true")
+    # DeepSpeed reads "bf16", else the old name "bfloat16" (runtime/precision_config.py)
+    bf16_key = "bf16" if data.get("bf16") is not None else "bfloat16"
+    bf16 = data.get(bf16_key) or {}
+    types = data.get("data_types") or {}
+    accum = types.get("grad_accum_dtype") if isinstance(types, Mapping) else None
+    if (isinstance(bf16, Mapping) and bf16.get("enabled") and stage == 1
+            and str(accum).replace("torch.", "") in ("fp32", "float32", "float")):
+        out.append(f"data_types.grad_accum_dtype={accum!r} with {bf16_key}.enabled=true and ZeRO stage 1: "
+                   "DeepSpeed then runs its BF16_Optimizer, whose fp32 gradient accumulators pitstop does not "
+                   "reset on a rollback (leave grad_accum_dtype unset, or use ZeRO stage 2)")
     if data.get("pipeline"):
         out.append("pipeline: DeepSpeed's pipeline engine is not supported (use Megatron-Core's pipeline)")
     sp = data.get("sequence_parallel_size", 1)
