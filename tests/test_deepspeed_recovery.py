@@ -58,6 +58,8 @@ def _bf16_reference(run_dir, steps, stage, *extra):
 @pytest.mark.parametrize("stage,faults,roles", [
     (1, Fault.kill(rank=1).at(step=2, phase="optimizer") + Fault.kill(rank=3).at(step=4, phase="param-gather"), [1, 3]),
     (2, Fault.kill(rank=2).at(step=2, phase="backward") + Fault.kill(rank=0).at(step=4, phase="grad-reduce"), [2, 0]),
+    # ZeRO 0 in fp32: DeepSpeed's engine.optimizer is the torch optimizer itself, no wrapper
+    (0, Fault.kill(rank=3).at(step=3, phase="optimizer"), [3]),
 ])
 def test_zero_sigkill_replacement_is_bitwise_identical(tmp_path, stage, faults, roles):
     ref = run_job(tmp_path / "ref", STEPS, nproc=4, gpt=_gpt(stage), timeout=400)

@@ -40,7 +40,9 @@ def _shard_items(optimizer) -> List[Tuple[str, torch.Tensor, Any, Optional[str]]
     """
     out = []
     for i, opt in enumerate(sub_optimizers(optimizer)):
-        inner = opt.optimizer
+        # a wrapper (Megatron's, DeepSpeed's ZeRO) holds the torch optimizer; DeepSpeed at
+        # ZeRO 0 in fp32 hands back the torch optimizer itself
+        inner = getattr(opt, "optimizer", opt)
         for g, group in enumerate(inner.param_groups):
             for j, p in enumerate(group["params"]):
                 out.append((f"o{i}.g{g}.p{j}", p.data, inner, None))
