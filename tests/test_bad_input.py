@@ -99,6 +99,8 @@ def test_errors_form_one_hierarchy():
     (["bench", "recovery", "--framework", "deepspeed", "--zero-stage", "3"],
      "--zero-stage 3: zero_optimization.stage=3: pitstop supports ZeRO stages 0, 1 and 2"),
     (["bench", "recovery", "--zero-stage", "2"], "--zero-stage 2: only with --framework deepspeed"),
+    (["launch", "--nproc-per-node", "2", "--max-restarts", "-1", "--", "examples/train_gpt.py"],
+     "--max-restarts: '-1': expected an integer >= 0"),
     (["launch", "--nproc-per-node", "2", "--commit-interval", "4", "--", "examples/train_gpt.py",
       "--pitstop-commit-interval", "2"],
      "the training script's --pitstop-commit-interval 2 and pitstop launch's --commit-interval 4 disagree"),

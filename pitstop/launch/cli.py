@@ -84,6 +84,9 @@ def _parser(more: Optional[Callable] = None) -> argparse.ArgumentParser:
                          "--rdzv-endpoint host on the head, 127.0.0.1 otherwise)")
     la.add_argument("--standby", type=_count(0), default=None, help="warm standby processes (default 0, or the "
                     "DeepSpeed config's pitstop.standby)")
+    la.add_argument("--max-restarts", type=_count(0), default=3,
+                    help="full restarts (checkpoint fallback or from scratch) before the job is given up (default 3; "
+                         "replacements and drains do not count)")
     la.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", type=_endpoint,
                     help="c10d: where the control store listens, that one interface (default 127.0.0.1 and a free "
                          "port); etcd: an etcd client address")
@@ -290,7 +293,8 @@ def launch_spec(args):
     endpoint = args.rdzv_endpoint or (f"{slurm.head}:29400" if slurm and Nodes.parse(nnodes).max > 1 else None)
     env = {k: v for k, v in os.environ.items() if k == "PITSTOP_FAULT"}
     spec = LaunchSpec(script, args.nproc_per_node, v["standby"], nnodes, endpoint,
-                      Path(args.run_dir), cfg, env, local_addr=args.local_addr, rdzv_backend=args.rdzv_backend)
+                      Path(args.run_dir), cfg, env, local_addr=args.local_addr, rdzv_backend=args.rdzv_backend,
+                      max_restarts=args.max_restarts)
     spec.nodes.check_rank(node_rank)
     return spec, node_rank, endpoint
 

@@ -65,6 +65,11 @@ class LaunchSpec:
     rdzv_backend: str = "c10d"
     """``c10d``: the controller hosts a ``TCPStore`` (its death ends the job); ``etcd``: the
     control plane lives in the etcd at ``rdzv_endpoint`` and outlives the controller."""
+    max_restarts: int = 3
+    """Full restarts (from the checkpoint, or from scratch) before the job is given up, as
+    torchrun's flag of that name: a cause that repeats (a script that always fails at step
+    N) ends the job with its reason instead of restarting it forever. Replacements by a
+    standby and drains are not restarts and are not counted."""
 
     def __post_init__(self) -> None:
         if self.rdzv_backend not in BACKENDS:
@@ -78,6 +83,8 @@ class LaunchSpec:
             raise PitstopError(f"--nproc-per-node({self.nproc_per_node}) must be >= 1")
         if self.standby < 0:
             raise PitstopError(f"--standby({self.standby}) must be >= 0")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise PitstopError(f"--max-restarts({self.max_restarts!r}) must be an integer >= 0")
         self.nodes = self.nnodes if isinstance(self.nnodes, Nodes) else Nodes.parse(str(self.nnodes))
         if not self.argv:
             raise PitstopError("no training script given: pitstop launch [options] -- SCRIPT ARGS...")
@@ -101,13 +108,13 @@ class LaunchSpec:
         return {"argv": self.argv, "nproc_per_node": self.nproc_per_node, "standby": self.standby,
                 "nnodes": str(self.nnodes), "rdzv_endpoint": self.rdzv_endpoint, "run_dir": str(self.run_dir),
                 "config": self.config.to_env(), "env": self.env, "local_addr": self.local_addr,
-                "rdzv_backend": self.rdzv_backend}
+                "rdzv_backend": self.rdzv_backend, "max_restarts": self.max_restarts}
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "LaunchSpec":
         return cls(list(d["argv"]), int(d["nproc_per_node"]), int(d["standby"]), d["nnodes"], d["rdzv_endpoint"],
                    Path(d["run_dir"]), RuntimeConfig.from_env(d["config"]), dict(d["env"]), d.get("local_addr"),
-                   d.get("rdzv_backend", "c10d"))
+                   d.get("rdzv_backend", "c10d"), int(d.get("max_restarts", 3)))
 
 
 #: ``--rdzv-backend`` values (torchrun's spelling).
@@ -763,8 +770,15 @@ class Controller:
         self._restart_all(resume, roles[0], reason, t_detect, fired)
 
     def _restart_all(self, resume: Optional[int], role: int, reason: str, t_detect: float, fired: Optional[float]) -> None:
-        """Stop every worker and start them all again (from checkpoint ``resume``, or from scratch)."""
+        """Stop every worker and start them all again (from checkpoint ``resume``, or from scratch).
+        The job's ``epoch`` counts these restarts; past ``--max-restarts`` the job ends instead."""
         g = self.roster.generation if self.roster is not None else self.generation
+        if self.epoch >= self.spec.max_restarts:
+            self.events.write("failed", reason=f"{reason}; not restarted: {self.epoch} restart(s) already "
+                                               f"(--max-restarts {self.spec.max_restarts}), the cause repeats")
+            log.error("giving up: %s (%d restarts, --max-restarts %d)", reason, self.epoch, self.spec.max_restarts)
+            self.exit_code = 1
+            return
         if resume is None:
             self.events.write("restart", mode="from-scratch", reason=f"role {role} lost before the first step"
                               if role >= 0 else reason)
