@@ -112,6 +112,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if args is not None and hasattr(args, "deepspeed_config") and config is None and config_params is None:
         args.deepspeed_config = None  # the stripped dict goes in as config=
     deepspeed = require("deepspeed", "deepspeed")
+    # deepspeed.initialize imports torch._dynamo lazily: 2 s on an idle core, far more under
+    # load. Here it runs before worker.join, so a standby pays it while it waits for a role,
+    # not on the critical path of a replacement. (Reverted once, on 2026-12-02, because the
+    # drain then failed 2 of 2 in its background group build; that was the store-client
+    # deadlock fixed in 246b6e8 -- a background prepare and the training thread's verdict
+    # wait shared one TCPStore client -- which the import's shift in timing exposed.)
+    import torch._dynamo  # noqa: F401
     from pitstop.patches import deepspeed_cpu
 
     deepspeed_cpu.apply()  # no JIT build of the shm op on CPU; no-op with CUDA
