@@ -262,6 +262,20 @@ def test_bf16_at_zero1_with_fp32_gradient_accumulation_is_refused(accum):
     assert unsupported({**DS, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}) == []
 
 
+@pytest.mark.parametrize("key, section", [
+    ("amp", {"enabled": True}), ("elasticity", {"enabled": True, "max_train_batch_size": 64}),
+    ("curriculum_learning", {"enabled": True}), ("data_efficiency", {"enabled": True}),
+    ("progressive_layer_drop", {"enabled": True, "theta": 0.5}), ("hybrid_engine", {"enabled": True}),
+    ("eigenvalue", {"enabled": True}), ("compression_training", {"weight_quantization": {"shared_parameters": {}}}),
+])
+def test_features_whose_state_a_joiner_would_not_get_are_refused_by_name(key, section):
+    bad = unsupported({**DS, key: section})
+    assert len(bad) == 1 and bad[0].startswith(f"{key}.enabled=true: "), bad
+    if key != "compression_training":  # switched off: nothing to refuse
+        assert unsupported({**DS, key: {**section, "enabled": False}}) == []
+    assert unsupported({**DS, key: {}}) == []
+
+
 # ------------------------------------------------------------------- documentation
 def test_keys_table_lists_every_key_with_its_default():
     table = keys_table()

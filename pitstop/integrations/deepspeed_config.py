@@ -310,7 +310,30 @@ def unsupported(data: Mapping[str, Any]) -> List[str]:
     sp = data.get("sequence_parallel_size", 1)
     if sp not in (None, 1):
         out.append(f"sequence_parallel_size={sp!r}: DeepSpeed-Ulysses sequence parallelism is not supported")
+    for key, why in UNCARRIED_FEATURES.items():
+        sect = data.get(key)
+        if isinstance(sect, Mapping):  # compression_training has no top-level switch: any technique counts
+            on = bool(sect) if key == "compression_training" else bool(sect.get("enabled"))
+        else:
+            on = bool(sect)
+        if on:
+            out.append(f"{key}.enabled=true: {why}")
     return out
+
+
+#: DeepSpeed features that keep state or groups of their own which a joiner would not get,
+#: so the run would leave the uninterrupted one (or hang): refused by name, with the reason.
+UNCARRIED_FEATURES = {
+    "amp": "NVIDIA Apex AMP keeps its own loss scaler and casts, which pitstop does not carry (use bf16)",
+    "elasticity": "DeepSpeed's elastic training changes the batch layout with the world size; pitstop keeps the "
+                  "world size and replaces members instead",
+    "curriculum_learning": "the curriculum scheduler's difficulty state is not carried to a joiner",
+    "data_efficiency": "the data sampler's and curriculum's state is not carried to a joiner",
+    "progressive_layer_drop": "progressive layer drop's theta schedule lives in the engine and is not carried",
+    "compression_training": "the compression scheduler's state is not carried to a joiner",
+    "hybrid_engine": "the hybrid (training + inference) engine builds inference groups pitstop does not rebuild",
+    "eigenvalue": "the eigenvalue computation keeps per-block state that is not carried to a joiner",
+}
 
 
 def refuse_unsupported(data: Mapping[str, Any]) -> None:
