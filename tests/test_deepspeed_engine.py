@@ -474,3 +474,45 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--walk":
         sys.exit(_walk(sys.argv[2]))
     sys.exit(f"usage: {sys.argv[0]} --walk OUT_DIR")
+
+
+_FIRST_BUILD = r"""
+import json, os, sys
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0")
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import train_deepspeed as T
+from pitstop.integrations.deepspeed import preimport
+from pitstop.patches import deepspeed_cpu
+import deepspeed
+deepspeed_cpu.apply()
+done = preimport() if sys.argv[2] == "pre" else []
+store = dist.TCPStore("127.0.0.1", 0, 1, True)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+args = T.parse_args(["--zero-stage", "2"])
+model = T.build_model(args)
+before = set(sys.modules)
+deepspeed.initialize(model=model, model_parameters=model.parameters(), config=T.ds_config(args))
+print(json.dumps({"preimported": done, "new_modules": len(set(sys.modules) - before)}))
+"""
+
+
+def test_a_first_engine_build_after_preimport_imports_almost_nothing():
+    """A joiner's engine build was 0.94 s of imports (``torch._dynamo``; DeepSpeed 0.19's
+    ``is_zero_supported_optimizer`` importing its Muon optimizer, whose module-level
+    ``torch.compile`` pulls in inductor). ``preimport`` takes them before the standby joins.
+    Counted, not timed: without it the first ``deepspeed.initialize`` imports hundreds of
+    modules; with it, few. This fails loudly when a DeepSpeed upgrade adds another lazy import."""
+    import subprocess
+
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", _FIRST_BUILD, str(ROOT / "examples"), mode], cwd=ROOT,
+                             capture_output=True, text=True, timeout=240, env={**os.environ, **ENV})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold, warm = run("cold"), run("pre")
+    assert warm["preimported"] == ["torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"], warm
+    assert cold["new_modules"] > 300, cold  # the premise: the lazy imports are many
+    assert warm["new_modules"] < 50, (warm, cold)

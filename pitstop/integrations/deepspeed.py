@@ -93,6 +93,39 @@ def _refuse_moe(model) -> None:
                               "deepspeed.moe is not supported")
 
 
+#: Modules the first ``deepspeed.initialize`` of a process imports lazily, the costly part of a
+#: joiner's engine build (0.94 s of its 0.95 s on an idle core here; a second engine in the
+#: same process builds in 0.01 s):
+#:
+#: * ``torch._dynamo``: 2 s on an idle core, far more under load. (Pre-importing it was
+#:   reverted once, on 2026-12-02, because the drain then failed 2 of 2 in its background
+#:   group build; that was the store-client deadlock fixed in 246b6e8 -- a background prepare
+#:   and the training thread's verdict wait shared one TCPStore client -- which the import's
+#:   shift in timing exposed.)
+#: * DeepSpeed 0.19's ``is_zero_supported_optimizer`` imports its Muon optimizer, whose
+#:   module-level ``torch.compile`` pulls in all of inductor.
+#:
+#: A name an installed DeepSpeed lacks is skipped; ``tests/test_deepspeed_engine.py`` fails
+#: loudly when a first engine build imports many modules again.
+LAZY_IMPORTS = ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer")
+
+
+def preimport() -> List[str]:
+    """Import :data:`LAZY_IMPORTS` now (idempotent); returns those that exist. Called by
+    :func:`initialize` before the process joins, so that a standby pays for them while it
+    waits for a role, not on the critical path of a replacement."""
+    import importlib
+
+    done = []
+    for name in LAZY_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+        done.append(name)
+    return done
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None, *, tensor_parallel: int = 1, warmup=None):
@@ -112,13 +145,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if args is not None and hasattr(args, "deepspeed_config") and config is None and config_params is None:
         args.deepspeed_config = None  # the stripped dict goes in as config=
     deepspeed = require("deepspeed", "deepspeed")
-    # deepspeed.initialize imports torch._dynamo lazily: 2 s on an idle core, far more under
-    # load. Here it runs before worker.join, so a standby pays it while it waits for a role,
-    # not on the critical path of a replacement. (Reverted once, on 2026-12-02, because the
-    # drain then failed 2 of 2 in its background group build; that was the store-client
-    # deadlock fixed in 246b6e8 -- a background prepare and the training thread's verdict
-    # wait shared one TCPStore client -- which the import's shift in timing exposed.)
-    import torch._dynamo  # noqa: F401
+    preimport()  # before worker.join: a standby pays it while it waits for a role
     from pitstop.patches import deepspeed_cpu
 
     deepspeed_cpu.apply()  # no JIT build of the shm op on CPU; no-op with CUDA
