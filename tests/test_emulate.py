@@ -77,7 +77,7 @@ def test_pacing_follows_the_replayed_schedule():
     p.serve(G("tp"), "allreduce", ([torch.zeros(1)],))
     assert time.perf_counter() - t0 >= 0.05
     p.serve(G("tp"), "allreduce", ([torch.zeros(1)],))
-    assert time.perf_counter() - t0 >= 0.1 and p.late == 0
+    assert time.perf_counter() - t0 >= 0.1 and p.late == 0 and p.late_s == 0.0
     p.serve(G("tp"), "allreduce", ([torch.zeros(1)],))  # one more than replayed: pacing stops, says why
     assert p.overrun and "more than the 2 replayed" in p.overrun
     p.boundary()
@@ -89,6 +89,11 @@ def test_pacing_follows_the_replayed_schedule():
     t2 = time.perf_counter()
     q.serve(G("tp"), "allreduce", ([torch.zeros(1)],))
     assert time.perf_counter() - t2 < 1.0
+    late = PacingOracle(Nothing(), [[0.0, 0.01]], skip=0)  # the real compute is slower than replayed
+    time.sleep(0.05)
+    late.serve(G("tp"), "allreduce", ([torch.zeros(1)],))
+    late.serve(G("tp"), "allreduce", ([torch.zeros(1)],))
+    assert late.late == 2 and late.late_s >= 0.05 + 0.04, (late.late, late.late_s)  # 0.05 + (0.05 - 0.01)
 
 
 def test_schedule_of_a_replayed_pipeline_is_relative_to_each_iteration():

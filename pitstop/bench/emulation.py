@@ -101,6 +101,9 @@ def scale_row(run_dir: Path, steps: int, timeout: float) -> Dict[str, Any]:
         "paced_iter_s": r["iter_s"],
         "replayed_iter_s": r["replayed_iter_s"],
         "overhead_pct": round(100 * (r["iter_s"] - r["replayed_iter_s"]) / r["replayed_iter_s"], 3),
+        # not circular: operations whose real arrival came after their replayed end, and by how much
+        "late_ops": r["paced"]["late_ops"],
+        "late_total_s": r["paced"]["late_total_s"],
         "emulator_rss_bytes": r["peak_rss_bytes"],
         "launcher_max_rss_bytes": report["launcher_max_rss_bytes"],
         "peak_tensor_bytes": r["peak_tensor_bytes"],

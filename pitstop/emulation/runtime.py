@@ -176,7 +176,8 @@ def boundary(iter_s: float) -> None:
                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "setup_s": round(a.setup_s, 4),
                "peak_tensor_bytes": memory.peak_bytes(), **a.init}
     if a.cfg.phase == "paced":
-        metrics.update(slept_s=round(a.oracle.slept_s, 6), late_ops=a.oracle.late, overrun=a.oracle.overrun)
+        metrics.update(slept_s=round(a.oracle.slept_s, 6), late_ops=a.oracle.late, late_total_s=round(a.oracle.late_s, 6),
+                       overrun=a.oracle.overrun)
     _write(out / "metrics" / metrics_name(a.cfg.phase, a.rank), metrics)
 
 

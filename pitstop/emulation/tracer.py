@@ -135,6 +135,8 @@ class PacingOracle:
         self.slept_s = 0.0
         self.late: int = 0
         """Operations that came later than their replayed end (the real compute was slower)."""
+        self.late_s = 0.0
+        """How late they came, in total: what the paced step owes the emulator, not the model."""
         self.overrun: Optional[str] = None
         """Why pacing gave up on an iteration (the last time it did)."""
         self._off = False
@@ -155,6 +157,7 @@ class PacingOracle:
             self.slept_s += wait
         else:
             self.late += 1
+            self.late_s -= wait
 
     def boundary(self) -> None:
         self.iteration += 1

@@ -216,7 +216,8 @@ def _report(spec, layout, topology, result, traced, replay_s, wall_s) -> Dict[st
             "peak_rss_bytes": m["max_rss_bytes"],
             "peak_tensor_bytes": mem.get("peak_tensor_bytes"),
             "init": {k: m.get(k) for k in ("setup_s", "init_s", "init_rss_bytes", "groups")},
-            "paced": {"slept_s": m.get("slept_s"), "late_ops": m.get("late_ops"), "overrun": m.get("overrun")},
+            "paced": {"slept_s": m.get("slept_s"), "late_ops": m.get("late_ops"), "late_total_s": m.get("late_total_s"),
+                      "overrun": m.get("overrun")},
             "traced_here": r in traced,
         })
     return {
