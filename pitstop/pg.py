@@ -215,6 +215,25 @@ def _reduce(op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     raise GroupError(f"reduce op {op} is not supported by pitstop's store-backed world group")
 
 
+def _tensor(raw, like: torch.Tensor, offset: int = 0, whole: bool = True) -> torch.Tensor:
+    """The inverse of :func:`_raw`: ``like``'s dtype and shape over ``raw`` from ``offset``
+    (``whole``: ``raw`` must hold exactly that many bytes). An empty tensor has no bytes,
+    which ``frombuffer`` refuses: it comes back empty."""
+    n = like.numel() * like.element_size()
+    if (len(raw) != n) if whole else (len(raw) < offset + n):
+        raise GroupError(f"world operation: {len(raw)} bytes for a {like.dtype} tensor of shape "
+                         f"{list(like.shape)} ({n} bytes) at offset {offset}")
+    if n == 0:
+        return torch.empty(like.shape, dtype=like.dtype)
+    return torch.frombuffer(raw, dtype=torch.uint8, count=n, offset=offset).view(like.dtype).view(like.shape)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, for the store: flattened first, so a 0-dim tensor (DeepSpeed's ZeRO-3
+    broadcasts scalars over the world) has bytes too (``view(uint8)`` refuses 0 dims)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 class StoreWorldGroup(dist.ProcessGroup):
     """The default group: rank and size of the world, collectives through the store.
 
@@ -276,7 +295,7 @@ class StoreWorldGroup(dist.ProcessGroup):
     # detached joiner replays its own n-th operation from that record.
     def _record(self, op: str, outs: List[torch.Tensor]) -> None:
         if self.rank() == 0:
-            self._put(f"rec/{op}", b"".join(o.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() for o in outs))
+            self._put(f"rec/{op}", b"".join(_raw(o) for o in outs))
 
     def _replay(self, outs: List[torch.Tensor]) -> DoneWork:
         op = self._next()
@@ -291,7 +310,7 @@ class StoreWorldGroup(dist.ProcessGroup):
         off = 0
         for o in outs:
             n = o.numel() * o.element_size()
-            o.copy_(torch.frombuffer(raw, dtype=torch.uint8, count=n, offset=off).view(o.dtype).view(o.shape))
+            o.copy_(_tensor(raw, o, off, whole=False))
             off += n
         return DoneWork(list(outs))
 
@@ -321,12 +340,12 @@ class StoreWorldGroup(dist.ProcessGroup):
 
     def _exchange(self, op: str, t: torch.Tensor) -> List[torch.Tensor]:
         keys = [f"{op}/{r}" for r in range(self.size())]
-        self._put(keys[self.rank()], t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        self._put(keys[self.rank()], _raw(t))
         self._wait_keys(keys)
         out = []
         for k in keys:
             raw = bytearray(self._get(k))
-            out.append(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
+            out.append(_tensor(raw, t))
         return out
 
     # --- collectives -----------------------------------------------------------
@@ -378,10 +397,10 @@ class StoreWorldGroup(dist.ProcessGroup):
                 continue
             op = self._next()
             if self.rank() == root:
-                self._put(f"{op}/root", t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                self._put(f"{op}/root", _raw(t))
             self._wait_keys([f"{op}/root"])
             raw = bytearray(self._get(f"{op}/root"))
-            t.copy_(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
+            t.copy_(_tensor(raw, t))
             self._record(op, [t])
             self._finish(op, [f"{op}/root"])
         if TAP is not None and not self.detached:
@@ -415,11 +434,11 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._no_replay("gather")
             op = self._next()
             keys = [f"{op}/{r}" for r in range(self.size())]
-            self._put(keys[self.rank()], t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            self._put(keys[self.rank()], _raw(t))
             if self.rank() == root:
                 self._wait_keys(keys)
                 for o, k in zip(output_tensors[i], keys):
-                    o.copy_(torch.frombuffer(bytearray(self._get(k)), dtype=torch.uint8).view(o.dtype).view(o.shape))
+                    o.copy_(_tensor(bytearray(self._get(k)), o))
             self._finish(op, keys)  # the last to finish deletes; the root has read by then
         return DoneWork([o for outs in output_tensors for o in outs])
 
@@ -432,10 +451,10 @@ class StoreWorldGroup(dist.ProcessGroup):
             keys = [f"{op}/{r}" for r in range(self.size())]
             if self.rank() == root:
                 for k, src in zip(keys, input_tensors[i]):
-                    self._put(k, src.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                    self._put(k, _raw(src))
             self._wait_keys([keys[self.rank()]])
             raw = bytearray(self._get(keys[self.rank()]))
-            t.copy_(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
+            t.copy_(_tensor(raw, t))
             self._finish(op, keys)
         return DoneWork(list(output_tensors))
 

@@ -132,3 +132,21 @@ def test_python_groups_define_every_c10d_method_from_one_table():
     for cls in (GuardedGroup, VirtualGroup):
         for m in C10D_METHODS:
             assert m in cls.__dict__, f"{cls.__name__}.{m} would reach the C++ base"
+
+
+def test_the_world_groups_wire_form_carries_0_dim_and_empty_tensors():
+    """DeepSpeed's ZeRO-3 broadcasts scalars and empty tensors over the world group: their bytes
+    go through the store and come back as the receive side reads them; a wrong size is refused."""
+    import torch
+
+    from pitstop.pg import _raw
+
+    from pitstop.errors import GroupError
+    from pitstop.pg import _tensor
+
+    for t in (torch.tensor(7, dtype=torch.int64), torch.tensor(2.5), torch.arange(6.0).reshape(2, 3),
+              torch.empty(0, 4)):  # ... and empty ones (a ZeRO-3 partition can be)
+        back = _tensor(bytearray(_raw(t)), t)
+        assert back.shape == t.shape and back.dtype == t.dtype and torch.equal(back, t)
+    with pytest.raises(GroupError, match="7 bytes for a torch.int64 tensor of shape"):
+        _tensor(bytearray(7), torch.tensor(1))
