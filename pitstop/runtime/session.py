@@ -94,6 +94,7 @@ class Session:
         """This rank's side of the buddy ring (one message per exchange)."""
         self._committed: Optional[bool] = None
         self._lock = threading.Lock()
+        self._drain_lock = threading.Lock()
         self._aborted_gen = -1
         self._drain: Optional[Dict[str, Any]] = None
         self.hook_s = 0.0
@@ -355,6 +356,14 @@ class Session:
             if info is not None and info["roles"]:
                 self._abandon_delta(gen, info["roles"])
         if self._drain is None:
+            self._take_drain(ch, gen)
+
+    def _take_drain(self, ch: protocol.Channel, gen: int) -> None:
+        """Read generation ``gen``'s drain announcement, if there is one, and start phase 1 for
+        it (once, whichever thread asks first: the heartbeat's watcher, or the switch)."""
+        with self._drain_lock:
+            if self._drain is not None:
+                return
             info = ch.read(keys.drain(gen), protocol.DRAIN)
             if info is None:
                 return
@@ -366,10 +375,11 @@ class Session:
             except ValueError as exc:
                 ch.refuse(keys.drain(gen), str(exc))
                 return
-            self._drain = {"info": {**info, "roles": roles}, "gen": gen}
-            t = threading.Thread(target=self._prepare_drain, args=(self._drain,), name="pitstop-drain-prepare", daemon=True)
-            self._drain["thread"] = t
-            t.start()
+            d = {"info": {**info, "roles": roles}, "gen": gen}
+            d["thread"] = threading.Thread(target=self._prepare_drain, args=(d,), name="pitstop-drain-prepare",
+                                           daemon=True)
+            self._drain = d
+            d["thread"].start()
 
     def _abandon_delta(self, gen: int, roles: List[int]) -> None:
         """Fail fast: mark this rank's groups that hold a failed role broken, so a
@@ -514,7 +524,14 @@ class Session:
             log.exception("%s drain preparation failed", self.prefix())
 
     def _switch(self, step: int) -> None:
-        """Phase 2, at the boundary after ``step``: the leaver hands over and leaves."""
+        """Phase 2, at the boundary after ``step``: the leaver hands over and leaves.
+
+        A rank outside the delta may get here before its watcher read the announcement: the
+        drain is ready once the delta and the joiner are, and the watcher reads at heartbeat
+        pace. It reads it now (it has nothing to build: its prepare returns at once). Seen in
+        ``make demo`` under load: rank 1 got the switch verdict first and stopped."""
+        if self._drain is None:
+            self._take_drain(self.ch, self.gen)
         d = self._drain
         if d is None or d["gen"] != self.gen:
             raise RecoveryError(f"{self.prefix()} switch verdict without a prepared drain")
