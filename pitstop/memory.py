@@ -132,7 +132,8 @@ def cuda_memory_report(device: Optional[int] = None) -> Dict[str, int]:
 
     ``outside_allocator_bytes`` is what ``max_memory_allocated`` never sees: on a rank
     with NCCL communicators it holds their buffers, so a peak meant to predict whether a
-    job fits on a device adds it (``scripts/gpu_check`` measures it per communicator).
+    job fits on a device adds it (``scripts/gpu_check`` measures it around a communicator's
+    first collective).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("cuda_memory_report: CUDA is not available in this process")

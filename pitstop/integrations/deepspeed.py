@@ -38,14 +38,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from pitstop.errors import ConfigError, require
+from pitstop.errors import ConfigError, RecoveryError, require
 from pitstop.groups import GroupRegistry
 from pitstop.integrations.deepspeed_config import PitstopSection, refuse_unsupported, strip_section
 from pitstop.layout import ParallelLayout
 from pitstop.runtime.framework import FaultPoints, Framework
 from pitstop.emulation import runtime as _emulation  # noqa: F401 - plugs `pitstop emulate` into worker.join
 
-log = logging.getLogger("pitstop.deepspeed")
+log = logging.getLogger(__name__)
 
 
 class _State:
@@ -240,8 +240,6 @@ def loss_scaler_of(optimizer) -> Any:
 def _scalar(name: str, v: Any) -> Any:
     if v is None or isinstance(v, (bool, int, float)):
         return v
-    from pitstop.errors import RecoveryError
-
     raise RecoveryError(f"loss scaler {name}={v!r}: expected a Python number or None to carry over, got "
                         f"{type(v).__name__}")
 
@@ -266,8 +264,6 @@ def loss_scaler_state(optimizer) -> Dict[str, Any]:
 def set_loss_scaler_state(optimizer, st: Dict[str, Any]) -> None:
     """Write :func:`loss_scaler_state` of a peer into ``optimizer``. Refuses state of another kind of
     scaler or with other fields (the joiner was built with another precision config)."""
-    from pitstop.errors import RecoveryError
-
     have = loss_scaler_state(optimizer)
     if not isinstance(st, dict) or sorted(st) != sorted(have) or st.get("type") != have.get("type"):
         raise RecoveryError(f"loss scaler state {st!r}: this role's optimizer has {have.get('type')} with "
