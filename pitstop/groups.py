@@ -212,14 +212,14 @@ class GroupRegistry:
             )
         return Entry((kind, ranks, gen), group, "comm", gloo)
 
-    def _on_own_connection(self, kind: str, ranks: Tuple[int, ...], gen: int) -> Entry:
-        """Build one communicator over a store connection no other thread uses meanwhile.
+    def _on_own_connection(self, kind: str, ranks: Tuple[int, ...], gen: int,
+                           conn: Optional[dist.Store] = None) -> Entry:
+        """Build one communicator over a store connection no other thread uses meanwhile:
+        ``conn`` (lent by :meth:`_lend`) or a fresh one, which joins the pool afterwards.
 
         The connections are kept and lent again at the next delta: a rendezvous needs the
         store only while the group is built, and opening fresh ones every time would pile
         up sockets on every process, and on the store's server, over a long job."""
-        with self._pool_lock:
-            conn = self._pool.pop() if self._pool else None
         if conn is None:
             conn = _own_connection(self.store)
         try:
@@ -227,6 +227,15 @@ class GroupRegistry:
         finally:
             with self._pool_lock:
                 self._pool.append(conn)
+
+    def _lend(self, n: int) -> List[Optional[dist.Store]]:
+        """``n`` pooled connections, None standing for each one missing, taken before the
+        rendezvous threads start: a thread that finished early and returned its connection
+        cannot have it taken by a later thread, so the pool after a delta holds exactly as
+        many connections as the largest delta so far (not a number that depends on timing)."""
+        with self._pool_lock:
+            lent: List[Optional[dist.Store]] = [self._pool.pop() for _ in range(min(n, len(self._pool)))]
+        return lent + [None] * (n - len(lent))
 
     def _derive(self, kind: str, gen: int, entries: Dict[str, Entry]) -> Entry:
         r = realization(self.layout, kind)
@@ -329,9 +338,11 @@ class GroupRegistry:
                 deferred.append(tasks)
                 built.append(kind)
         elif concurrent:
-            made = _concurrently([(lambda k=kind, r=ranks: self._on_own_connection(k, r, gen)) for kind, ranks in todo],
+            conns = self._lend(len(todo))
+            made = _concurrently([(lambda k=kind, r=ranks, c=c: self._on_own_connection(k, r, gen, c))
+                                  for (kind, ranks), c in zip(todo, conns)],
                                  f"r{self.rank} g{gen}", self._destroy_entry) if len(todo) > 1 else \
-                [self._on_own_connection(k, r, gen) for k, r in todo]
+                [self._on_own_connection(k, r, gen, c) for (k, r), c in zip(todo, conns)]
             for (kind, _), e in zip(todo, made):
                 entries[kind] = e
                 built.append(kind)
