@@ -52,12 +52,21 @@ def _tapped(kind: str, what: str, args: tuple) -> Optional[Callable[[], None]]:
     return TAP(kind, what, args) if TAP is not None else None
 
 
+class _Abandoned(Exception):
+    """A world operation given up because a member failed (the step is poisoned)."""
+
+
 def _backend_work(method):
     """Run a Python group's operation as backend work: what it allocates to do its work is
-    the backend's, not the program's, so the tensor-memory tracker (if one runs) skips it."""
+    the backend's, not the program's, so the tensor-memory tracker (if one runs) skips it.
+    An operation abandoned under an armed fence completes at once, its outputs untouched:
+    the fence already holds the error that discards the step."""
     def wrapped(self, *args, **kwargs):
         with untracked():
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except _Abandoned:
+                return DoneWork()
 
     wrapped.__name__ = method.__name__
     wrapped.__doc__ = method.__doc__
@@ -250,6 +259,14 @@ class StoreWorldGroup(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout
         self._seq = 0
+        self._broken = False
+        self._epoch = 0
+        """Names this stream of operations: set to the generation at every replacement, so an
+        operation redone after a rollback (same count) never reads a value the aborted
+        attempt left in the store."""
+        self.recording = True
+        """Rank 0 records results for joiners' set-up replay until the first boundary
+        (:meth:`stop_recording`); later operations would only pile up in the store."""
         self._can_delete = True
         from pitstop import store as _store
 
@@ -267,10 +284,38 @@ class StoreWorldGroup(dist.ProcessGroup):
         """How many world operations this process has done (equal on every rank at an iteration boundary)."""
         return self._seq
 
-    def attach(self, seq: int) -> None:
-        """Join the world's operation stream at ``seq`` (the leaver's or a peer's count)."""
-        self._seq = seq
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def attach(self, seq: int, epoch: Optional[int] = None) -> None:
+        """Join the world's operation stream at ``seq`` (the leaver's or a peer's count),
+        in the stayers' ``epoch`` (see :meth:`rewind`)."""
+        self.rewind(seq, self._epoch if epoch is None else epoch)
         self.detached = False
+
+    def rewind(self, seq: int, epoch: int) -> None:
+        """Go back to the count ``seq`` of a rollback point, under a new ``epoch``.
+
+        A failure leaves the stayers' counts wherever each was in the aborted step (one
+        may have done a world operation its peers never reached). Every rank, and the
+        joiner, restarts from the count at the last boundary; the epoch keeps the
+        redone operations' keys apart from the aborted ones'::
+
+            step 7 (aborted)   r0: e1/op41 e1/op42   r1: e1/op41      (r2 dies)
+            step 7 (redone)    r0, r1, joiner: e2/op41 e2/op42 ...
+        """
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise GroupError(f"world group: operation count {seq!r}: expected an integer >= 0")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise GroupError(f"world group: epoch {epoch!r}: expected an integer >= 0")
+        self._seq = seq
+        self._epoch = epoch
+        self._broken = False
+
+    def stop_recording(self) -> None:
+        """The set-up is over: joiners replay nothing later than this (see :meth:`_record`)."""
+        self.recording = False
 
     # --- helpers -------------------------------------------------------------
     def _put(self, key: str, data: bytes) -> None:
@@ -288,18 +333,19 @@ class StoreWorldGroup(dist.ProcessGroup):
 
     def _next(self) -> str:
         self._seq += 1
-        return f"op{self._seq}"
+        return f"e{self._epoch}/op{self._seq}" if self._epoch else f"op{self._seq}"
 
     # A joiner repeats the set-up of its role (model, optimizer, data) alone, and the
     # set-up does world collectives (Megatron's optimizer all-gathers its param-group
     # keys). World rank 0 records every collective's result under ``rec/op<n>``; a
     # detached joiner replays its own n-th operation from that record.
-    def _record(self, op: str, outs: List[torch.Tensor]) -> None:
-        if self.rank() == 0:
-            self._put(f"rec/{op}", b"".join(_raw(o) for o in outs))
+    def _record(self, op: str, outs: List[torch.Tensor]) -> None:  # noqa: ARG002 - op: the live key
+        if self.rank() == 0 and self.recording:
+            self._put(f"rec/op{self._seq}", b"".join(_raw(o) for o in outs))
 
     def _replay(self, outs: List[torch.Tensor]) -> DoneWork:
-        op = self._next()
+        self._seq += 1
+        op = f"op{self._seq}"
         self._wait_keys([f"rec/{op}"])
         raw = bytearray(self._get(f"rec/{op}"))
         need = sum(o.numel() * o.element_size() for o in outs)
@@ -315,9 +361,45 @@ class StoreWorldGroup(dist.ProcessGroup):
             off += n
         return DoneWork(list(outs))
 
+    def mark_broken(self) -> None:
+        """A member's failure is announced: a wait in progress gives up while the fence is
+        armed (as a :class:`GuardedGroup`'s does), instead of waiting out the timeout for a
+        key the dead rank will never write. Cleared by :meth:`rewind`."""
+        self._broken = True
+
+    #: The longest pause between two looks at the store while a step's fence is armed.
+    POLL_MAX_S = 0.02
+
     def _wait_keys(self, keys: List[str]) -> None:
+        if not FENCE.armed:  # set-up, or outside a pitstop job: one blocking wait
+            self._wait_blocking(keys, self._timeout)
+            return
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        pause = 0.0005
+        while True:
+            try:
+                if self._store.check(keys):
+                    return
+            except RuntimeError as exc:  # a Python store under c10d's PrefixStore: no check; wait in slices
+                if "pure virtual" not in str(exc):
+                    raise
+                try:
+                    self._store.wait(keys, timedelta(seconds=self.POLL_MAX_S * 5))
+                    return
+                except Exception:  # noqa: BLE001 - a slice ran out; look at the mark, then wait again
+                    pass
+            if getattr(self, "_broken", False):
+                FENCE.errors.append(f"world operation {keys[0].rsplit('/', 1)[0]}: abandoned (a member failed)")
+                raise _Abandoned()
+            if time.monotonic() > deadline:
+                raise GroupError(f"world group rank {self.rank()}: peers did not arrive within "
+                                 f"{self._timeout.total_seconds():.0f}s ({len(keys)} keys, first {keys[0]!r})")
+            time.sleep(pause)
+            pause = min(pause * 2, self.POLL_MAX_S)
+
+    def _wait_blocking(self, keys: List[str], timeout: timedelta) -> None:
         try:
-            self._store.wait(keys, self._timeout)
+            self._store.wait(keys, timeout)
         except Exception as exc:
             raise GroupError(
                 f"world group rank {self.rank()}: peers did not arrive within "
@@ -626,6 +708,14 @@ FENCE = Fence()
 
 
 _P2P = ("send", "recv", "recv_anysource")
+#: Operations whose wait is done in a helper thread, so that the waiting thread can look at
+#: the group's broken mark while a dead peer keeps the operation from finishing: gloo ends a
+#: send/recv whose timed wait expires, and its reduce-scatters ignore a wait's timeout
+#: altogether (probed on torch 2.13: ``wait(100 ms)`` returned only when the peer left, 3 s
+#: later; every other collective raised at 100 ms). DeepSpeed's ZeRO-3 reduce-scatters its
+#: gradients every step.
+_WAIT_IN_THREAD = _P2P + ("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+                          "reduce_scatter_single", "reduce_scatter_single_coalesced")
 
 
 def _wait_into(work: dist._Work, done: threading.Event, box: dict) -> None:
@@ -677,9 +767,9 @@ class GuardedWork(dist._Work):
             return True
         # c10d passes timedelta(0) for "no timeout" (kNoTimeout)
         deadline = None if not timeout else time.monotonic() + timeout.total_seconds()
-        p2p = self._what in _P2P
+        p2p = self._what in _WAIT_IN_THREAD
         if p2p:
-            # gloo ends a send/recv whose timed wait expires, so wait in a helper thread
+            # see _WAIT_IN_THREAD
             done, box = threading.Event(), {}
             waiter = threading.Thread(target=_wait_into, args=(inner, done, box), daemon=True)
             waiter.start()

@@ -179,6 +179,8 @@ class Session:
         """Yield step numbers from where this process starts up to ``last``; a step
         that a failure discarded is yielded again."""
         self._start()
+        if self.controlled:  # the set-up is over: a joiner replays nothing later
+            pgmod.world_group().stop_recording()
         self._last = last
         step = self.first_step
         while step <= last:
@@ -397,6 +399,7 @@ class Session:
             self._lock.release()
         for g in groups:
             g.mark_broken()
+        pgmod.world_group().mark_broken()  # the world holds every role: its operation in flight is lost too
 
     # ------------------------------------------------------------------ unplanned: recovery
     def _fault_info(self, ch: protocol.Channel, gen: int) -> Optional[dict]:
@@ -445,6 +448,8 @@ class Session:
             log.warning("%s %d reference(s) to retired groups survived the swap: %s", self.prefix(),
                         len(self.stale_refs), self.stale_refs[:5])
         self.gen = self.registry.generation
+        world = pgmod.world_group()
+        world.rewind(world.seq, self.gen)  # this generation's world operations get keys of their own
         self._new_gen = True
         return report, swapped
 
@@ -465,6 +470,9 @@ class Session:
         self._aborted_gen = self.gen
         with self._lock:
             self._restore(self.snap)
+            # the world's operation count goes back with the state: each rank may have stopped
+            # at a different world operation in the aborted step (see StoreWorldGroup.rewind)
+            pgmod.world_group().rewind(self.snap.world_seq, self.gen)
             t_roll = time.perf_counter()
             report, swapped = self._advance(self.registry.prepare(roles))
             if self.gen != new_gen:
@@ -609,7 +617,7 @@ class Session:
         self.buddy = state.recv_snapshot(prv, group) if self.cfg.buddy else None
         self._restore(snap)
         self.snap = snap
-        pgmod.world_group().attach(snap.world_seq)
+        pgmod.world_group().attach(snap.world_seq, self.gen)
         t_state = time.perf_counter()
         self.fw.resync_params(self.model, self.optimizer)
         self.first_step = step
@@ -643,7 +651,7 @@ class Session:
             state.pg_recv(pair, buf, 0)
         self._restore(snap)
         self.snap = snap
-        pgmod.world_group().attach(snap.world_seq)
+        pgmod.world_group().attach(snap.world_seq, self.gen)
         self.first_step = int(step_s) + 1
         self.step = self.first_step
         self.data = self.make_data(self.first_step)

@@ -146,8 +146,49 @@ def deferred_joiner(out_dir):
     dist.destroy_process_group()
 
 
+def abandon(out_dir):
+    """Rank 1 never joins; rank 0, its fence armed, starts a reduce-scatter on the dp group
+    (gloo's wait ignores its timeout there) and an all-reduce on the world group (a store
+    wait for a key rank 1 never writes). Another thread marks each broken 0.5 s later, as
+    the heartbeat's watcher does when the controller announces a failure: both waits must
+    give up then, and say so in the fence, instead of at the 60 s timeout."""
+    import threading
+    import time
+
+    from pitstop.pg import FENCE, world_group
+
+    store = connect_from_env(T)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_world(store, rank, world, T)
+    reg = GroupRegistry(ParallelLayout(world), store, timeout=T, fence=FENCE)
+    reg.build()
+    if rank == 1:
+        store.wait(["pgtest/abandon-done"], T)
+        os._exit(0)
+    res = {"rank": rank}
+    FENCE.armed = True
+    for name, group, call in [
+        ("reduce_scatter", reg.group("dp"), lambda g: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(4), group=g)),
+        ("world", world_group(), lambda g: dist.all_reduce(torch.ones(2))),
+    ]:
+        FENCE.reset()
+        threading.Timer(0.5, group.mark_broken).start()
+        t0 = time.monotonic()
+        call(group)
+        res[f"{name}_s"] = time.monotonic() - t0
+        res[f"{name}_errors"] = list(FENCE.errors)
+    world_group().rewind(world_group().seq, 1)  # a new epoch clears the mark
+    res["world_broken_after_rewind"] = world_group()._broken
+    with open(os.path.join(out_dir, f"result_{rank}.json"), "w") as f:
+        json.dump(res, f)
+    store.set("pgtest/abandon-done", "1")
+    os._exit(0)
+
+
 def main():
     out_dir = sys.argv[1]
+    if sys.argv[2:] == ["abandon"]:
+        return abandon(out_dir)
     if sys.argv[2:] == ["background-prepare"]:
         return background_prepare(out_dir)
     if sys.argv[2:] == ["deferred-joiner"]:
