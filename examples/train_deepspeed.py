@@ -79,7 +79,7 @@ if _REPO not in sys.path:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2,
-                   help="ZeRO stage; 3 runs with --groups deepspeed only (pitstop refuses it at initialize)")
+                   help="ZeRO stage (3: partitioned parameters)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per step and data-parallel rank")
     p.add_argument("--seed", type=int, default=1234)
@@ -319,21 +319,25 @@ def state_checksum(engine) -> str:
     """SHA-256 over this rank's whole training state: the full parameters (:func:`checksum`), then
     the optimizer's own tensors (the fp32 master weights of its ZeRO partition, or of the whole
     model at ZeRO 0, and every Adam moment and step), the loss scaler's and the engine's counters.
-    Under ZeRO 1/2 it differs between data-parallel ranks (each holds its own partition). With
+    Under ZeRO 1, 2 and 3 it differs between data-parallel ranks (each holds its own partition). With
     ``--bf16`` the parameters are rounded copies of the fp32 master weights, so they alone could
     hide a carry-over that is wrong below bf16's resolution."""
     h = hashlib.sha256(checksum(engine).encode())
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", opt)  # ZeRO's or the fp16/bf16 wrapper's torch optimizer, or itself
-    for g, group in enumerate(inner.param_groups):
-        for j, p in enumerate(group["params"]):
-            h.update(f"g{g}.p{j}".encode())
-            h.update(_bytes(p))
-            for key in sorted(inner.state.get(p, {})):
-                v = inner.state[p][key]
-                if torch.is_tensor(v):
-                    h.update(key.encode())
-                    h.update(_bytes(v))
+    # ZeRO-3's torch optimizer holds a sub-group's fp32 partition in its param groups only while
+    # that sub-group steps: its partitions are listed by the ZeRO optimizer itself
+    flats = getattr(opt, "fp32_partitioned_groups_flat", None)
+    masters = [(f"z{s}", p) for s, p in enumerate(flats)] if flats is not None else \
+        [(f"g{g}.p{j}", p) for g, group in enumerate(inner.param_groups) for j, p in enumerate(group["params"])]
+    for name, p in masters:
+        h.update(name.encode())
+        h.update(_bytes(p))
+        for key in sorted(inner.state.get(p, {})):
+            v = inner.state[p][key]
+            if torch.is_tensor(v):
+                h.update(key.encode())
+                h.update(_bytes(v))
     for attr in ("loss_scaler", "loss_scale_config"):  # every plain field, not only those pitstop carries
         scaler = getattr(opt, attr, None)
         if scaler is not None:
@@ -352,8 +356,10 @@ def _bytes(t: torch.Tensor) -> bytes:
 def dtypes(engine) -> dict:
     """The parameters' dtypes and the optimizer's master weights' (what ``--bf16`` changes)."""
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)  # ZeRO-3 (see state_checksum)
+    masters = flats if flats is not None else [p for group in inner.param_groups for p in group["params"]]
     return {"params": sorted({str(p.dtype) for p in engine.module.parameters()}),
-            "master": sorted({str(p.dtype) for group in inner.param_groups for p in group["params"]})}
+            "master": sorted({str(p.dtype) for p in masters})}
 
 
 def _peak_tensor_bytes():
@@ -365,9 +371,6 @@ def _peak_tensor_bytes():
 def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     args = parse_args(argv)
-    if args.zero_stage == 3 and args.groups == "pitstop":
-        raise SystemExit("train_deepspeed.py: error: --zero-stage 3 is not supported by pitstop yet "
-                         "(ZeRO stages 0, 1, 2); run it with --groups deepspeed for plain DeepSpeed")
     if args.track_memory:
         from pitstop import memory
 

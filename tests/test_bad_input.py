@@ -96,8 +96,7 @@ def test_errors_form_one_hierarchy():
      "--commit-interval"),
     (["bench", "hook", "--commit-intervals", "8,5"],
      "commit intervals [5]: expected divisors of 64 that are >= 2"),
-    (["bench", "recovery", "--framework", "deepspeed", "--zero-stage", "3"],
-     "--zero-stage 3: zero_optimization.stage=3: pitstop supports ZeRO stages 0, 1 and 2"),
+    (["bench", "recovery", "--framework", "deepspeed", "--zero-stage", "4"], "--zero-stage"),
     (["bench", "recovery", "--zero-stage", "2"], "--zero-stage 2: only with --framework deepspeed"),
     (["launch", "--nproc-per-node", "2", "--max-restarts", "-1", "--", "examples/train_gpt.py"],
      "--max-restarts: '-1': expected an integer >= 0"),
@@ -167,7 +166,9 @@ def test_a_directory_given_for_a_file_is_refused(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("config, needle", [
-    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "zero_hpz_partition_size=2"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, "mics_shard_size=2"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer.device='cpu'"),
     ({"fp16": {"enabled": True}}, "fp16.enabled=true"),
     ({"pipeline": {"stages": 2}}, "pipeline engine"),
@@ -183,12 +184,6 @@ def test_launch_refuses_a_deepspeed_feature_pitstop_does_not_support(tmp_path, c
     err = capsys.readouterr().err
     assert needle in err and "does not support" in err, err
     assert not (tmp_path / "run").exists()
-
-
-def test_example_refuses_zero_stage_3_under_pitstop():
-    out = subprocess.run([sys.executable, "examples/train_deepspeed.py", "--zero-stage", "3"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert out.returncode != 0 and "--zero-stage 3 is not supported by pitstop" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("section,needle", [

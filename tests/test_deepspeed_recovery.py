@@ -1,4 +1,4 @@
-"""Tier 3: standby replacement and drain of a real DeepSpeed engine (ZeRO 0, 1 and 2) on CPU.
+"""Tier 3: standby replacement and drain of a real DeepSpeed engine (ZeRO 0, 1, 2 and 3) on CPU.
 
 World 4, pure data parallel, ``examples/train_deepspeed.py`` under ``pitstop launch``.
 Real processes are SIGKILLed by the fault injector at a chosen step and phase; a standby
@@ -60,9 +60,14 @@ def _bf16_reference(run_dir, steps, stage, *extra):
     (2, Fault.kill(rank=2).at(step=2, phase="backward") + Fault.kill(rank=0).at(step=4, phase="grad-reduce"), [2, 0]),
     # ZeRO 0 in fp32: DeepSpeed's engine.optimizer is the torch optimizer itself, no wrapper
     (0, Fault.kill(rank=3).at(step=3, phase="optimizer"), [3]),
+    # ZeRO-3: partitioned parameters; its engine broadcasts over the world group at the first two
+    # forwards (the parameter coordinator's trace), so step 2's kill lands among world operations
+    (3, Fault.kill(rank=2).at(step=2, phase="backward") + Fault.kill(rank=0).at(step=4, phase="optimizer"), [2, 0]),
 ])
 def test_zero_sigkill_replacement_is_bitwise_identical(tmp_path, stage, faults, roles):
     ref = run_job(tmp_path / "ref", STEPS, nproc=4, gpt=_gpt(stage), timeout=400)
+    # each rank's checksum covers its own partition (so a wrong hand-over could not hide)
+    assert len(set(ref.checksums.values())) == (1 if stage == 0 else 4), ref.checksums
     res = run_job(tmp_path / "run", STEPS, standby=2, faults=faults.spec(), nproc=4, gpt=_gpt(stage), timeout=600,
                   launch_args=LAUNCH)
     _assert_same(res, ref)
@@ -74,17 +79,19 @@ def test_zero_sigkill_replacement_is_bitwise_identical(tmp_path, stage, faults, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_zero2_planned_drain_is_bitwise_identical(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_planned_drain_is_bitwise_identical(tmp_path, stage):
     """The drain is asked for once step 1 is logged; ``--step-delay`` keeps the job running
-    long enough for the standby to build its engine and the switch to land mid-run."""
+    long enough for the standby to build its engine and the switch to land mid-run. At ZeRO-3
+    the leaver hands over its parameter partitions and persistent parameters too."""
     steps, slow = 24, ["--step-delay", "0.5"]
-    ref = run_job(tmp_path / "ref", steps, nproc=4, gpt=_gpt(2, *slow), timeout=400)
+    ref = run_job(tmp_path / "ref", steps, nproc=4, gpt=_gpt(stage, *slow), timeout=400)
 
     def during(run_dir):
         wait_for_step(run_dir, 1)
         request_drain(run_dir, rank=2)
 
-    res = run_job(tmp_path / "run", steps, standby=1, nproc=4, gpt=_gpt(2, *slow), timeout=600, during=during,
+    res = run_job(tmp_path / "run", steps, standby=1, nproc=4, gpt=_gpt(stage, *slow), timeout=600, during=during,
                   launch_args=LAUNCH)
     _assert_same(res, ref)
     d = res.of("drained")
@@ -94,7 +101,7 @@ def test_zero2_planned_drain_is_bitwise_identical(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("stage", [2, 1, 0])
+@pytest.mark.parametrize("stage", [3, 2, 1, 0])
 def test_bf16_sigkill_replacement_is_bitwise_identical(tmp_path, stage):
     """bf16 parameters and activations, fp32 master weights and Adam moments: at ZeRO 1/2 in the
     rank's partition, whose bf16 parameters DeepSpeed's ``update_lp_params`` rebuilds; at ZeRO 0
@@ -134,12 +141,13 @@ def test_bf16_zero2_planned_drain_is_bitwise_identical(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_zero2_without_standby_falls_back_to_deepspeeds_own_checkpoint(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_without_standby_falls_back_to_deepspeeds_own_checkpoint(tmp_path, stage):
     """No standby: every process restarts and DeepSpeed's ``load_checkpoint`` (of the
     ``save_checkpoint`` pitstop made every 2 steps) resumes the run bit for bit."""
-    ref = run_job(tmp_path / "ref", STEPS, nproc=4, gpt=_gpt(2), timeout=400)
+    ref = run_job(tmp_path / "ref", STEPS, nproc=4, gpt=_gpt(stage), timeout=400)
     kill = Fault.kill(rank=1).at(step=4, phase="optimizer")
-    res = run_job(tmp_path / "run", STEPS, standby=0, faults=kill.spec(), nproc=4, gpt=_gpt(2), timeout=600,
+    res = run_job(tmp_path / "run", STEPS, standby=0, faults=kill.spec(), nproc=4, gpt=_gpt(stage), timeout=600,
                   launch_args=LAUNCH + ["--save-interval", "2"])
     fb = res.of("fallback")
     assert len(fb) == 1 and fb[0]["resume_step"] == 2, res.tails()

@@ -279,8 +279,9 @@ def set_loss_scaler_state(optimizer, st: Dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------- the runtime's adapter
 class DeepSpeedFramework(Framework):
-    """A DeepSpeed engine with ZeRO stage 0, 1 or 2, data parallel over pitstop's dp group, in fp32
-    or bf16 (the optimizer's fp32 master weights are the state; the bf16 parameters are derived)."""
+    """A DeepSpeed engine with ZeRO stage 0, 1, 2 or 3, data parallel over pitstop's dp group, in fp32
+    or bf16 (the optimizer's fp32 master weights are the state; the bf16 parameters are derived;
+    at ZeRO-3 each rank's parameter partitions are derived from its fp32 partitions)."""
 
     name = "deepspeed"
     shard_kind = "dp"
@@ -324,9 +325,41 @@ class DeepSpeedFramework(Framework):
     def prepare_rollback(self, model: Sequence[Any], optimizer) -> None:
         # a step discarded mid-backward leaves reduced (or half-reduced) gradients behind
         optimizer.zero_grad(set_to_none=True)
+        if _is_zero3(optimizer):
+            # parameters gathered for the discarded step go back to their partitions (DeepSpeed's
+            # own step before a checkpoint); the partitions are then overwritten by the snapshot
+            optimizer.checkpoint_event_prologue()
+
+    def new_generation(self, model: Sequence[Any], optimizer) -> None:
+        """ZeRO-3's parameter coordinator has recorded the order in which modules fetch their
+        parameters; recording it does world collectives (``assert_ints_same_as_other_ranks``)
+        that a joiner, whose coordinator starts empty, does at its first two steps. Every
+        stayer forgets its trace too, so all ranks record it again together: prefetching is
+        off for those two steps (speed only; the values are the same)."""
+        if _is_zero3(optimizer):
+            coord = optimizer.parameter_offload.get_param_coordinator()
+            if not coord.is_invalid_trace():
+                coord._invalidate_trace()
+            # with a complete trace DeepSpeed keeps parameters it will soon use again gathered
+            # across the boundary; a joiner holds only its persistent ones whole, so those others
+            # go back to their partitions here (else a stayer would skip an all-gather the joiner
+            # does). Nothing is lost: a partition is the parameter's own.
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            for p in optimizer.parameter_offload.module.parameters():
+                if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist:
+                    p.ds_active_sub_modules.clear()
+                    p.partition(has_been_updated=False)
 
     def resync_params(self, model: Sequence[Any], optimizer) -> None:
-        if hasattr(optimizer, "update_lp_params"):  # ZeRO 1/2: fp32 partition -> bit16 + all-gather
+        if _is_zero3(optimizer):
+            # the fp32 partitions (the state) -> each parameter's own partition, as DeepSpeed's step
+            # ends (a copy onto itself in fp32, where both are one tensor); then the persistent
+            # (never partitioned) parameters are all-gathered from the partitions
+            for sub_group in range(len(optimizer.fp16_groups)):
+                optimizer._reassign_or_swap_out_partitioned_parameters(sub_group)
+            optimizer.checkpoint_event_epilogue()
+        elif hasattr(optimizer, "update_lp_params"):  # ZeRO 1/2: fp32 partition -> bit16 + all-gather
             optimizer.update_lp_params()
         elif hasattr(optimizer, "fp32_groups") and hasattr(optimizer, "fp16_groups"):
             # ZeRO 0 in bf16/fp16 (FP16_UnfusedOptimizer): every rank holds all fp32 master weights; the
@@ -368,6 +401,8 @@ class DeepSpeedFramework(Framework):
         flats = getattr(optimizer, "bit16_groups_flat", None)
         if flats is not None:
             return list(flats)
+        if _is_zero3(optimizer):  # this rank's parameter partitions, and the persistent parameters whole
+            return list(optimizer.fp16_partitioned_groups_flat) + _persistent_whole(optimizer)
         return [p.data for p in self._engine(model).module.parameters()]
 
     def fault_points(self, model: Sequence[Any], optimizer) -> Tuple[torch.nn.Module, FaultPoints]:
@@ -380,6 +415,28 @@ class DeepSpeedFramework(Framework):
 
             points["param-gather"] = [(stage_1_and_2, "all_gather_dp_groups")]
         return e.module, points
+
+
+def _persistent_whole(optimizer) -> List[torch.Tensor]:
+    """ZeRO-3's persistent parameters (small ones, never partitioned after their first gather),
+    each whole. A drain's joiner has not gathered them yet (its first forward would, in an
+    all-gather its peers, who hold theirs, never join), so it gets room for each here and the
+    leaver's values fill it: what DeepSpeed's own gather leaves (``partition_parameters.py``:
+    ``param.data`` the whole tensor, status AVAILABLE)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    out = []
+    for p in optimizer.persistent_parameters:
+        if p.ds_status != ZeroParamStatus.AVAILABLE:
+            p.data = torch.empty(p.ds_shape, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
+            p.ds_status = ZeroParamStatus.AVAILABLE
+        out.append(p.data)
+    return out
+
+
+def _is_zero3(optimizer) -> bool:
+    """DeepSpeed's ZeRO-3 optimizer (``DeepSpeedZeroOptimizer_Stage3``), by what pitstop uses of it."""
+    return hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "parameter_offload")
 
 
 DEEPSPEED = DeepSpeedFramework()

@@ -282,9 +282,18 @@ def unsupported(data: Mapping[str, Any]) -> List[str]:
     if not isinstance(zero, Mapping):
         return [f"zero_optimization={zero!r}: expected an object"]
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2):
-        out.append(f"zero_optimization.stage={stage!r}: pitstop supports ZeRO stages 0, 1 and 2 (ZeRO-3's "
-                   "partitioned parameters are not handed over yet)")
+    if stage not in (0, 1, 2, 3):
+        out.append(f"zero_optimization.stage={stage!r}: expected a ZeRO stage 0, 1, 2 or 3")
+    # ZeRO-3 variants that build process groups of their own, outside pitstop's registry (a
+    # replacement could not rebuild or swap them)
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if hpz not in (None, 1):
+        out.append(f"zero_optimization.zero_hpz_partition_size={hpz!r}: ZeRO++ hierarchical partitioning builds "
+                   "secondary partition groups of its own, which pitstop does not rebuild; expected 1")
+    mics = zero.get("mics_shard_size", -1)
+    if mics not in (None, -1, 0):
+        out.append(f"zero_optimization.mics_shard_size={mics!r}: MiCS builds shard groups of its own, which "
+                   "pitstop does not rebuild; expected -1 (off)")
     for k in ("offload_optimizer", "offload_param"):
         dev = (zero.get(k) or {}).get("device", "none") if isinstance(zero.get(k) or {}, Mapping) else zero.get(k)
         if dev not in (None, "none"):

@@ -63,6 +63,11 @@ class Framework:
     def resync_params(self, model: Sequence[Any], optimizer) -> None:
         state.resync_params(model, optimizer)
 
+    def new_generation(self, model: Sequence[Any], optimizer) -> None:
+        """On every stayer once a replacement or drain installed the next generation's groups:
+        drop what a library learnt about the old generation's run that a joiner, built
+        fresh, has not learnt (the joiner must go through the same collectives)."""
+
     def save(self, ckpt_dir: str, step: int, model: Sequence[Any], optimizer) -> None:
         """The no-standby fallback's checkpoint (collective)."""
         from pitstop.runtime import checkpoint

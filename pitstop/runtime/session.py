@@ -442,6 +442,7 @@ class Session:
         roots = self.fw.swap_roots(self.model, self.optimizer)
         swapped = swap_groups(roots, mapping)
         self.fw.install(self.registry)
+        self.fw.new_generation(self.model, self.optimizer)
         # prove it: no reference to a retired group is left where the library looks
         self.stale_refs = find_groups(roots, {k: None for k in mapping})
         if self.stale_refs:
@@ -647,9 +648,11 @@ class Session:
         has_buddy = torch.zeros(1, dtype=torch.int64)
         state.pg_recv(pair, has_buddy, 0)
         self.buddy = state.recv_snapshot_raw(pair, 0) if int(has_buddy) else None
+        # restored before the parameters arrive: a rollback may free gathered parameters
+        # (DeepSpeed ZeRO-3 releases them to their partitions), which the leaver's then refill
+        self._restore(snap)
         for buf in self.fw.param_buffers(self.model, self.optimizer):
             state.pg_recv(pair, buf, 0)
-        self._restore(snap)
         self.snap = snap
         pgmod.world_group().attach(snap.world_seq, self.gen)
         self.first_step = int(step_s) + 1

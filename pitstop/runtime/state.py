@@ -43,6 +43,18 @@ def _shard_items(optimizer) -> List[Tuple[str, torch.Tensor, Any, Optional[str]]
         # a wrapper (Megatron's, DeepSpeed's ZeRO) holds the torch optimizer; DeepSpeed at
         # ZeRO 0 in fp32 hands back the torch optimizer itself
         inner = getattr(opt, "optimizer", opt)
+        flats = getattr(opt, "fp32_partitioned_groups_flat", None)
+        if flats is not None:
+            # DeepSpeed ZeRO-3: the torch optimizer's param groups hold a sub-group's fp32
+            # partition only while that sub-group steps (stage3.py ``_optimizer_step``); the
+            # partitions themselves, and the moments keyed by them, are the shard
+            for s, flat in enumerate(flats):
+                out.append((f"o{i}.z{s}", flat.data, (inner, flat), None))
+                for key in sorted(inner.state.get(flat, {})):
+                    v = inner.state[flat][key]
+                    if torch.is_tensor(v):
+                        out.append((f"o{i}.z{s}.{key}", v, (inner, flat), key))
+            continue
         for g, group in enumerate(inner.param_groups):
             for j, p in enumerate(group["params"]):
                 out.append((f"o{i}.g{g}.p{j}", p.data, inner, None))
@@ -183,10 +195,9 @@ def restore(optimizer, snap: Snapshot) -> Dict[str, Any]:
         base = name.rsplit(".", 1)[0]
         if key is None or base not in by_name:
             raise RecoveryError(f"state {name} of the snapshot has no counterpart in this role's optimizer")
-        param, inner, _ = by_name[base]
-        owner_opt = inner
-        p = _param_of(owner_opt, base)
-        owner_opt.state[p][key] = src.clone().to(param.device)
+        param, owner, _ = by_name[base]
+        owner_opt, p = owner if isinstance(owner, tuple) else (owner, _param_of(owner, base))
+        owner_opt.state.setdefault(p, {})[key] = src.clone().to(param.device)
     if offset != snap.data.numel():
         raise RecoveryError(f"snapshot holds {snap.data.numel()} bytes but its layout describes {offset}")
     rng = decode_rng(snap.rng)
