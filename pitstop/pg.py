@@ -260,6 +260,7 @@ class StoreWorldGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._seq = 0
         self._broken = False
+        self._mark_lock = threading.Lock()  # a mark for an old epoch must not land after a rewind
         self._epoch = 0
         """Names this stream of operations: set to the generation at every replacement, so an
         operation redone after a rollback (same count) never reads a value the aborted
@@ -309,9 +310,10 @@ class StoreWorldGroup(dist.ProcessGroup):
             raise GroupError(f"world group: operation count {seq!r}: expected an integer >= 0")
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise GroupError(f"world group: epoch {epoch!r}: expected an integer >= 0")
-        self._seq = seq
-        self._epoch = epoch
-        self._broken = False
+        with self._mark_lock:
+            self._seq = seq
+            self._epoch = epoch
+            self._broken = False
 
     def stop_recording(self) -> None:
         """The set-up is over: joiners replay nothing later than this (see :meth:`_record`)."""
@@ -361,11 +363,15 @@ class StoreWorldGroup(dist.ProcessGroup):
             off += n
         return DoneWork(list(outs))
 
-    def mark_broken(self) -> None:
+    def mark_broken(self, epoch: Optional[int] = None) -> None:
         """A member's failure is announced: a wait in progress gives up while the fence is
         armed (as a :class:`GuardedGroup`'s does), instead of waiting out the timeout for a
-        key the dead rank will never write. Cleared by :meth:`rewind`."""
-        self._broken = True
+        key the dead rank will never write. Cleared by :meth:`rewind`; a mark for ``epoch``
+        that comes after the rewind to a newer one (the heartbeat's watcher is a thread of
+        its own) is ignored, or it would break the redone step."""
+        with self._mark_lock:
+            if epoch is None or epoch == self._epoch:
+                self._broken = True
 
     #: The longest pause between two looks at the store while a step's fence is armed.
     POLL_MAX_S = 0.02

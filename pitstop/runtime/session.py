@@ -393,13 +393,14 @@ class Session:
                 return
             self._aborted_gen = gen
             kinds = plan_replace(self.layout, tuple(roles), gen, gen + 1).rebuilt_kinds(self.rank)
+            epoch = pgmod.world_group().epoch  # recovery rewinds it to generation gen + 1
             groups = [g for k in kinds if (e := self.registry.entry(k)) for g in (e.group, e.gloo)
                       if isinstance(g, pgmod.GuardedGroup)]
         finally:
             self._lock.release()
         for g in groups:
             g.mark_broken()
-        pgmod.world_group().mark_broken()  # the world holds every role: its operation in flight is lost too
+        pgmod.world_group().mark_broken(epoch)  # the world holds every role: its operation in flight is lost too
 
     # ------------------------------------------------------------------ unplanned: recovery
     def _fault_info(self, ch: protocol.Channel, gen: int) -> Optional[dict]:
@@ -473,7 +474,7 @@ class Session:
             self._restore(self.snap)
             # the world's operation count goes back with the state: each rank may have stopped
             # at a different world operation in the aborted step (see StoreWorldGroup.rewind)
-            pgmod.world_group().rewind(self.snap.world_seq, self.gen)
+            pgmod.world_group().rewind(self.snap.world_seq, new_gen)
             t_roll = time.perf_counter()
             report, swapped = self._advance(self.registry.prepare(roles))
             if self.gen != new_gen:
