@@ -341,7 +341,8 @@ class StoreWorldGroup(dist.ProcessGroup):
     # set-up does world collectives (Megatron's optimizer all-gathers its param-group
     # keys). World rank 0 records every collective's result under ``rec/op<n>``; a
     # detached joiner replays its own n-th operation from that record.
-    def _record(self, op: str, outs: List[torch.Tensor]) -> None:  # noqa: ARG002 - op: the live key
+    def _record(self, outs: List[torch.Tensor]) -> None:
+        """Under the count, not the live key: a joiner replays by count, whatever the epoch."""
         if self.rank() == 0 and self.recording:
             self._put(f"rec/op{self._seq}", b"".join(_raw(o) for o in outs))
 
@@ -394,7 +395,7 @@ class StoreWorldGroup(dist.ProcessGroup):
                     return
                 except Exception:  # noqa: BLE001 - a slice ran out; look at the mark, then wait again
                     pass
-            if getattr(self, "_broken", False):
+            if self._broken:
                 FENCE.errors.append(f"world operation {keys[0].rsplit('/', 1)[0]}: abandoned (a member failed)")
                 raise _Abandoned()
             if time.monotonic() > deadline:
@@ -471,7 +472,7 @@ class StoreWorldGroup(dist.ProcessGroup):
             for p in parts[1:]:
                 acc = _reduce(reduce_op, acc, p)
             t.copy_(acc)
-            self._record(op, [t])
+            self._record([t])
             self._finish(op, [f"{op}/{r}" for r in range(self.size())])
         if TAP is not None and not self.detached:
             self._tap("allreduce", (tensors,))
@@ -490,7 +491,7 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._wait_keys([f"{op}/root"])
             raw = bytearray(self._get(f"{op}/root"))
             t.copy_(_tensor(raw, t))
-            self._record(op, [t])
+            self._record([t])
             self._finish(op, [f"{op}/root"])
         if TAP is not None and not self.detached:
             self._tap("broadcast", (tensors,))
@@ -505,7 +506,7 @@ class StoreWorldGroup(dist.ProcessGroup):
             op = self._next()
             for o, p in zip(outs, self._exchange(op, t)):
                 o.copy_(p)
-            self._record(op, list(outs))
+            self._record(list(outs))
             self._finish(op, [f"{op}/{r}" for r in range(self.size())])
         if TAP is not None and not self.detached:
             self._tap("allgather", (output_tensors, input_tensors))
@@ -554,7 +555,7 @@ class StoreWorldGroup(dist.ProcessGroup):
         op = self._next()
         parts = self._exchange(op, input)
         output.copy_(torch.cat([p.reshape(-1) for p in parts]).view(output.shape))
-        self._record(op, [output])
+        self._record([output])
         self._finish(op, [f"{op}/{r}" for r in range(self.size())])
         if TAP is not None:
             self._tap("_allgather_base", (output, input))
@@ -746,8 +747,8 @@ class GuardedWork(dist._Work):
         self._what = what
         self._result = result or []
         self._held = held
-        """A tensor the communicator's work holds (see :func:`_held_tensor`), watched in
-        :meth:`wait` to see when that work object dies."""
+        """A tensor the communicator's work holds (found in :meth:`GuardedGroup._call` by its
+        reference count rising), watched in :meth:`wait` to see when that work object dies."""
 
     #: How often a blocked wait looks at its group's broken mark.
     POLL = timedelta(milliseconds=50)
