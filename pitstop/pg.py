@@ -772,6 +772,16 @@ class GuardedWork(dist._Work):
     def _wait(self, inner: dist._Work, timeout: timedelta | None) -> bool:
         if isinstance(inner, DoneWork):  # a Python group answered synchronously (virtual, world)
             return True
+        if self._group.getBackendName() in GuardedGroup.ABORT_BACKENDS:
+            # NCCL: wait() orders the *calling thread's* current CUDA stream after the
+            # operation and returns; the host never blocks (unless TORCH_NCCL_BLOCKING_WAIT
+            # is set, and then the watcher's abort of a broken group ends it). So it is done
+            # here, never in a helper thread, whose current stream is not the caller's.
+            try:
+                inner.wait()
+            except Exception as exc:  # noqa: BLE001 - an aborted communicator raises
+                self._group.failed(self._what, exc)
+            return True
         # c10d passes timedelta(0) for "no timeout" (kNoTimeout)
         deadline = None if not timeout else time.monotonic() + timeout.total_seconds()
         p2p = self._what in _WAIT_IN_THREAD

@@ -34,6 +34,56 @@ def test_one_gpu_registry_builds_uses_and_aborts_an_nccl_communicator(job, tmp_p
     assert res["aborted"] is True, res
 
 
+@pytest.mark.timeout(120)
+def test_a_guarded_nccl_wait_orders_the_callers_stream_and_never_blocks_the_host(job, tmp_path):
+    """A guarded wait on NCCL must order the caller's own CUDA stream after the operation
+    (what ``Work.wait()`` does in the calling thread) and return at once on the host. The
+    helper-thread wait that gloo's send/recv and reduce-scatters need (a dead peer hangs
+    them on the host) would order the helper thread's stream instead: the caller, on a side
+    stream as Megatron's and DeepSpeed's overlapped reductions are, would read the output
+    before NCCL wrote it. The operation is held back on the GPU for about a second, so a
+    wrong ordering reads zeros."""
+    import os
+
+    ctx = job.start("nccl-stream", [str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(tmp_path), "stream"],
+                    range(1), 1)
+    wait_done(job, ctx, timeout=100)
+    res = json.loads((tmp_path / "result_0.json").read_text())
+    dest = os.environ.get("PITSTOP_GPU_CHECK_OUT")
+    if dest:
+        with open(os.path.join(dest, "nccl-stream.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps(res))
+    for what in ("reduce_scatter_tensor", "all_reduce"):
+        r = res[what]
+        assert r["gpu_busy_when_wait_returned"], res  # the check is live: the GPU still held the operation
+        assert r["correct"] and r["error"] is None and not r["poisoned"], res
+        assert r["host_wait_s"] < 0.5, res
+
+
+@pytest.mark.timeout(120)
+def test_nccl_timed_wait_on_a_queued_operation(job, tmp_path):
+    """Upstream behaviour the guarded wait must avoid, kept as a test that fails when it
+    changes: a *timed* ``Work.wait`` on NCCL that expires while the operation is still queued
+    on the GPU aborts the communicator. The guarded group polls gloo with 50 ms waits; on
+    NCCL it waits untimed (before that, any NCCL operation held up 50 ms broke its group)."""
+    import os
+
+    ctx = job.start("nccl-timed", [str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(tmp_path), "timedwait"],
+                    range(1), 1)
+    wait_done(job, ctx, timeout=100)
+    res = json.loads((tmp_path / "result_0.json").read_text())
+    dest = os.environ.get("PITSTOP_GPU_CHECK_OUT")
+    if dest:
+        with open(os.path.join(dest, "nccl-timed-wait.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps(res))
+    # seen on an H200 (torch 2.11, NCCL 2.28.9): the expired wait raises the watchdog's
+    # timeout and the communicator is aborted; the next operation on it fails
+    assert res["returned"] is None and "timing out" in res["error"], res
+    assert res["next_op_error"] is not None and "aborted" in res["next_op_error"], res
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="needs two GPUs: NCCL refuses two ranks on one device ('Duplicate GPU detected', seen on an H200)")

@@ -87,11 +87,116 @@ def one(out_dir):
     dist.destroy_process_group()
 
 
+def _held_back(tp, seconds_of_sleep: float = 1.0):
+    """Issue an all-reduce that NCCL's stream runs only after a GPU sleep on a stream of its
+    own: whatever is issued on the communicator next runs behind it."""
+    s1 = torch.cuda.Stream()
+    a = torch.ones(1 << 10, device="cuda")
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(int(3e9 * seconds_of_sleep))  # about a second on an H200
+        return dist.all_reduce(a, group=tp, async_op=True)
+
+
+def _one_gpu_group():
+    torch.cuda.set_device(0)
+    store = connect_from_env()
+    init_world(store, 0, 1, timedelta(seconds=60))
+    reg = GroupRegistry(ParallelLayout(1), store, backend="nccl", timeout=timedelta(seconds=60))
+    reg.build()
+    tp = reg.group("tp")
+    dist.all_reduce(torch.ones(1, device="cuda"), group=tp)  # the communicator exists
+    torch.cuda.synchronize()
+    return reg, tp
+
+
+def stream(out_dir):
+    """World 1 on one GPU: a guarded wait orders the *caller's* CUDA stream after the NCCL
+    operation and does not block the host. NCCL's ``Work.wait()`` makes the calling thread's
+    current stream wait; a wait done in a helper thread (gloo's dead-peer path) would order
+    that thread's default stream instead, and the caller would read the output early.
+
+    The operation checked is issued from stream S2 and runs behind one held back on the GPU
+    (:func:`_held_back`); S2 has no sleep of its own, so it reads the output correctly only
+    if the wait made S2 wait for the operation. Results are written after each case."""
+    import time
+
+    from pitstop.pg import FENCE
+
+    reg, tp = _one_gpu_group()
+    FENCE.armed = True  # as in a training step
+    res = {}
+    s2 = torch.cuda.Stream()
+    n = 1 << 20
+    for what in ("reduce_scatter_tensor", "all_reduce"):
+        with torch.cuda.stream(s2):
+            inp = torch.arange(n, device="cuda", dtype=torch.float32) + 1
+            out = torch.zeros(n, device="cuda")
+        torch.cuda.synchronize()
+        first = _held_back(tp)
+        with torch.cuda.stream(s2):
+            t0 = time.monotonic()
+            if what == "reduce_scatter_tensor":
+                work = dist.reduce_scatter_tensor(out, inp, group=tp, async_op=True)
+            else:
+                out.copy_(inp)
+                work = dist.all_reduce(out, group=tp, async_op=True)
+            t1 = time.monotonic()
+            err = None
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001
+                err = str(exc).splitlines()[0][:200]
+            host_wait_s = time.monotonic() - t1
+            seen = out.clone()
+            busy = not first.is_completed()
+        torch.cuda.synchronize()
+        expect = torch.arange(n, device="cuda", dtype=torch.float32) + 1
+        res[what] = {"host_wait_s": round(host_wait_s, 4), "issue_s": round(t1 - t0, 4),
+                     "gpu_busy_when_wait_returned": busy, "correct": bool(torch.equal(seen, expect)), "error": err,
+                     "poisoned": FENCE.poisoned}
+        with open(os.path.join(out_dir, "result_0.json"), "w") as f:
+            json.dump(res, f)
+    FENCE.armed = False
+    reg.destroy()
+    dist.destroy_process_group()
+
+
+def timedwait(out_dir):
+    """What NCCL does with a *timed* wait that expires while the operation is still queued
+    on the GPU (the wait a gloo group is polled with): written at once, then the process
+    ends before NCCL's watchdog takes it down."""
+    import time
+
+    reg, tp = _one_gpu_group()
+    first = _held_back(tp)
+    work = tp.inner.allreduce([torch.ones(4, device="cuda")])
+    t0 = time.monotonic()
+    err = None
+    try:
+        ok = work.wait(timedelta(milliseconds=50))
+    except Exception as exc:  # noqa: BLE001
+        ok, err = None, str(exc).splitlines()[0][:300]
+    res = {"returned": ok, "wait_s": round(time.monotonic() - t0, 4), "error": err,
+           "gpu_busy_after": not first.is_completed()}
+    try:
+        tp.inner.allreduce([torch.ones(4, device="cuda")]).wait()
+        res["next_op_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        res["next_op_error"] = str(exc).splitlines()[0][:300]
+    with open(os.path.join(out_dir, "result_0.json"), "w") as f:
+        json.dump(res, f)
+    os._exit(0)
+
+
 def main():
     if sys.argv[2:] == ["abort"]:
         return abort(sys.argv[1])
     if sys.argv[2:] == ["one"]:
         return one(sys.argv[1])
+    if sys.argv[2:] == ["stream"]:
+        return stream(sys.argv[1])
+    if sys.argv[2:] == ["timedwait"]:
+        return timedwait(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank % torch.cuda.device_count())
     store = connect_from_env()
