@@ -247,3 +247,54 @@ def test_verdict_words_are_written_and_read_in_one_place():
     assert not Verdict.commits(marker) and not Verdict.is_poisoned(marker)
     assert not Verdict.commits(None) and not Verdict.is_poisoned(None)
     assert len(long) <= 2048  # fits the VOTE schema's verdict field
+
+
+def test_a_key_watch_calls_back_once_per_key_as_the_key_moves_on(monkeypatch):
+    """The fault watch (a worker's stayer freed from a collective on a dead peer): the thread
+    blocks in the real TCPStore's ``wait`` and calls back once the key is written, once per
+    key, then follows ``key()`` to the next generation's; junk under the key is the
+    callback's to refuse, and a callback that raises does not end the thread."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from pitstop.runtime.worker import ENV_STORE, KeyWatch
+    from pitstop.store import host_store
+
+    st = host_store("127.0.0.1", 0, timedelta(seconds=10))
+    monkeypatch.setenv(ENV_STORE, f"127.0.0.1:{st.port}")
+    ch = Channel(st, TOKEN)
+    gen = {"g": 0}
+    seen, lock = [], threading.Lock()
+
+    def callback(c: Channel) -> None:
+        with lock:
+            seen.append((gen["g"], c.read(keys.fault(gen["g"]), protocol.FAULT)))
+        if gen["g"] == 1:
+            raise RuntimeError("a callback's own failure")
+
+    monkeypatch.setattr(KeyWatch, "WAIT_S", 0.2)
+    w = KeyWatch("t", lambda: keys.fault(gen["g"]), callback, ch).start()
+
+    def until(n: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(seen) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    time.sleep(0.5)  # two store waits time out: nothing is called back for an absent key
+    assert seen == []
+    body = {"roles": [1], "generation": 1, "step": 3, "joiners": ["h:1"]}
+    ch.put(keys.fault(0), body)
+    until(1)
+    time.sleep(0.5)  # written once, called back once
+    assert seen == [(0, body)]
+    gen["g"] = 1
+    ch.put(keys.fault(1), {**body, "generation": 2})
+    until(2)
+    gen["g"] = 2
+    dist.TCPStore("127.0.0.1", st.port, is_master=False).set(keys.fault(2), b"junk")
+    until(3)
+    w.stop()
+    assert [g for g, _ in seen] == [0, 1, 2], seen
+    assert seen[1][1]["generation"] == 2 and seen[2][1] is None, seen  # junk reads as absent

@@ -122,8 +122,13 @@ class Session:
         self.faults = [f for f in faults if f.rank == self.rank]
         if self.faults:
             self._arm_faults()
+        self._fault_watch: Optional[worker.KeyWatch] = None
         if self.m.heartbeat is not None:
             self.m.heartbeat.watchers.append(self._watch)
+            # the fault itself is waited on: a stayer blocked on a dead peer is freed within a
+            # round trip of the controller's announcement, not at the next heartbeat
+            self._fault_watch = worker.KeyWatch(f"fault-r{self.rank}", lambda: keys.fault(self.gen), self._watch,
+                                                self.ch).start()
 
     # ------------------------------------------------------------------ helpers
     def prefix(self) -> str:
@@ -355,7 +360,7 @@ class Session:
         gen = self.gen
         if self._aborted_gen < gen:
             info = self._fault_info(ch, gen)
-            if info is not None and info["roles"]:
+            if info is not None and info.get("roles"):  # (a fallback names none)
                 self._abandon_delta(gen, info["roles"])
         if self._drain is None:
             self._take_drain(ch, gen)
