@@ -200,7 +200,12 @@ def controller_restart(run_dir: Path, endpoint: str, steps: int, kill_role: int,
         roster = json.loads((rd / ROSTER).read_text())
         seen["victim"] = roster["roles"][kill_role]["pid"]
         seen["role_killed_at"] = time.time()
-        os.kill(seen["victim"], signal.SIGKILL)
+        try:
+            os.kill(seen["victim"], signal.SIGKILL)
+        except ProcessLookupError:
+            raise RuntimeError(f"role {kill_role}'s process {seen['victim']} had already ended when the controller "
+                               f"came back {back['time'] - seen['killed_at']:.1f} s after its kill: the job's "
+                               f"{steps} steps outran the restart") from None
 
     res = run_job(run_dir, steps, standby=1, nproc=nproc, gpt=gpt, during=during, timeout=600,
                   launch_args=["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint])

@@ -176,7 +176,7 @@ class Controller:
         self.apply_next = 1
         self.applicants: Dict[int, float] = {}        # unsolicited applicant -> when it was seen
         self.committed: Optional[tuple] = None        # (generation, step, time) of the last verified commit
-        self.lost: Dict[int, tuple] = {}               # role -> (proc, reason): gathered for SETTLE_S, then one failure
+        self.lost: Dict[int, tuple] = {}               # role -> (proc, reason, seen): gathered for settle_s, then one failure
         self.lost_at = 0.0
         self.lost_detected = 0.0
         self.agent: Any = (RemoteAgents(self.ch, self.run_dir, spec.nodes.max, self.cfg.heartbeat_timeout_s,
@@ -365,7 +365,7 @@ class Controller:
                 "new": [[r, v] for r, v in self.draining["new"].items()]},
             "leavers": sorted(self.leavers), "stopping": sorted(self.stopping), "finished": sorted(self.finished),
             "recorded": sorted(self.recorded), "warm_seen": sorted(self.warm_seen),
-            "lost": [[r, p.name, why] for r, (p, why) in self.lost.items()],
+            "lost": [[r, p.name, why] for r, (p, why, _) in self.lost.items()],
             "agents": self.agent.state(),
         }
 
@@ -428,7 +428,7 @@ class Controller:
                                                        for k in ("slots", "leavers", "old", "new")}}
         self.leavers, self.stopping = set(st["leavers"]), set(st["stopping"])
         self.finished, self.recorded, self.warm_seen = set(st["finished"]), set(st["recorded"]), set(st["warm_seen"])
-        self.lost = {int(r): (procs[name], why) for r, name, why in st["lost"]}
+        self.lost = {int(r): (procs[name], why, time.time()) for r, name, why in st["lost"]}
         self.lost_at = time.monotonic()
         for node, cmd in unrecorded:  # started after the last saved state: adopt, so its hello is admitted
             env = cmd.get("env") or {}
@@ -612,7 +612,17 @@ class Controller:
     # ------------------------------------------------------------------ unplanned
     #: Processes lost within this many seconds of the first are one failure (a machine's
     #: ranks die within milliseconds of each other): one fault, one delta, one generation.
+    #: Across machines each exit is seen by its machine's agent (its own poll, then a report
+    #: through the store, then this loop's read): 0.15 s. On one machine this controller
+    #: polls its own children every 10 ms loop, so processes killed together are seen one or
+    #: two loops apart: 0.05 s (``settle_skew_s`` in the ``failure`` event says how far apart
+    #: they were). The window is spent by the whole job, so it is kept no longer than that.
     SETTLE_S = 0.15
+    SETTLE_LOCAL_S = 0.05
+
+    @property
+    def settle_s(self) -> float:
+        return self.SETTLE_S if self.spec.agents_apart else self.SETTLE_LOCAL_S
 
     def _lost(self, role: int, p: Proc, reason: str) -> None:
         """A role's process is gone. Gather what else goes down with it, then act once."""
@@ -623,7 +633,7 @@ class Controller:
         if not self.lost:
             self.lost_at = time.monotonic()
             self.lost_detected = time.time()
-        self.lost[role] = (p, reason)
+        self.lost[role] = (p, reason, time.time())
 
     def _in_change(self) -> bool:
         """A replacement or drain whose new generation has not committed a step yet."""
@@ -632,7 +642,7 @@ class Controller:
         return any(ch["kind"] in ("unplanned", "planned") for ch in self.pending) or self.draining is not None
 
     def _settle(self) -> None:
-        if self.lost and time.monotonic() - self.lost_at >= self.SETTLE_S:
+        if self.lost and time.monotonic() - self.lost_at >= self.settle_s:
             lost, self.lost = self.lost, {}
             self._failure(lost, self.lost_detected)
 
@@ -667,8 +677,10 @@ class Controller:
         self.roster = self.roster.replace_many(joiners)
         self.role_slots.update(slots)
         self._write_roster()
+        seen = [lost[r][2] for r in roles]
         self.events.write("failure", role=roles[0], roles=roles, reason=reason, step=step, generation=g,
                           detect_s=None if fired is None else round(t_detect - fired, 4),
+                          settle_s=self.settle_s, settle_skew_s=round(max(seen) - min(seen), 4),
                           log=[self.agent.log_paths(lost[r][0])["stderr"] for r in roles] if len(roles) > 1
                           else self.agent.log_paths(lost[roles[0]][0])["stderr"])
         for s in slots.values():
