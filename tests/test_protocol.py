@@ -250,10 +250,11 @@ def test_verdict_words_are_written_and_read_in_one_place():
 
 
 def test_a_key_watch_calls_back_once_per_key_as_the_key_moves_on(monkeypatch):
-    """The fault watch (a worker's stayer freed from a collective on a dead peer): the thread
-    blocks in the real TCPStore's ``wait`` and calls back once the key is written, once per
-    key, then follows ``key()`` to the next generation's; junk under the key is the
-    callback's to refuse, and a callback that raises does not end the thread."""
+    """The session's watch on ``keys.ended(g)`` (a stayer freed from a collective on a dead
+    peer): the thread blocks in the real TCPStore's ``wait`` and calls back once the key holds
+    a good message, once per key, then follows ``key()`` to the next generation's. Junk under
+    the key calls nothing back until the writer's own message is put back; a callback that
+    raises does not end the thread."""
     import threading
     import time
 
@@ -275,7 +276,7 @@ def test_a_key_watch_calls_back_once_per_key_as_the_key_moves_on(monkeypatch):
             raise RuntimeError("a callback's own failure")
 
     monkeypatch.setattr(KeyWatch, "WAIT_S", 0.2)
-    w = KeyWatch("t", lambda: keys.fault(gen["g"]), callback, ch).start()
+    w = KeyWatch("t", lambda: keys.ended(gen["g"]), callback, ch, protocol.STAMP).start()
 
     def until(n: int, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -286,15 +287,20 @@ def test_a_key_watch_calls_back_once_per_key_as_the_key_moves_on(monkeypatch):
     assert seen == []
     body = {"roles": [1], "generation": 1, "step": 3, "joiners": ["h:1"]}
     ch.put(keys.fault(0), body)
+    ch.put(keys.ended(0), {"time": 1.0})
     until(1)
     time.sleep(0.5)  # written once, called back once
     assert seen == [(0, body)]
     gen["g"] = 1
     ch.put(keys.fault(1), {**body, "generation": 2})
+    ch.put(keys.ended(1), {"time": 2.0})
     until(2)
     gen["g"] = 2
-    dist.TCPStore("127.0.0.1", st.port, is_master=False).set(keys.fault(2), b"junk")
+    dist.TCPStore("127.0.0.1", st.port, is_master=False).set(keys.ended(2), b"junk")
+    time.sleep(0.5)
+    assert len(seen) == 2, seen  # junk is no news
+    ch.put(keys.ended(2), {"time": 3.0})  # the controller's reassert
     until(3)
     w.stop()
     assert [g for g, _ in seen] == [0, 1, 2], seen
-    assert seen[1][1]["generation"] == 2 and seen[2][1] is None, seen  # junk reads as absent
+    assert seen[1][1]["generation"] == 2 and seen[2][1] is None, seen

@@ -164,3 +164,19 @@ def test_swap_replaces_every_reference_and_leaves_others():
     assert root.by_kind == {"tp": new_tp, "pp": kept}
     assert find_groups([root], mapping) == []
     assert len(find_groups([root], {id(kept): kept})) == 3
+
+
+def test_a_standby_freezes_its_heap_once_warm():
+    """A standby collects, then freezes everything it holds (``gc.freeze``): a full collection
+    on the joiner's critical path (DeepSpeed's ZeRO-3 build calls one) scans only the role's
+    new objects. Undone here, so the rest of the session's tests see a normal collector."""
+    import gc
+
+    from pitstop.runtime.worker import _freeze_heap
+
+    before = gc.get_freeze_count()
+    try:
+        _freeze_heap()
+        assert gc.get_freeze_count() > max(before, 1000)
+    finally:
+        gc.unfreeze()

@@ -670,6 +670,7 @@ class Controller:
         joiners = {r: self.members[s].info for r, s in slots.items()}
         self.ch.put(keys.fault(g), {"roles": roles, "generation": g + 1, "step": step,
                                     "joiners": [joiners[r].describe() for r in roles]})
+        self._ended(g)
         for r, slot in slots.items():
             self.ch.put(keys.assign(slot), {"role": r, "roles": roles, "generation": g + 1, "mode": "recover", "step": step})
         t_plan = time.time()
@@ -691,6 +692,11 @@ class Controller:
                              "new": joiners[roles[0]].describe() if len(roles) == 1 else {r: j.describe() for r, j in joiners.items()},
                              "fired": fired, "detected": t_detect, "planned": t_plan, "reason": reason,
                              "warm": all(self._warm(s) for s in slots.values())})
+
+    def _ended(self, g: int) -> None:
+        """Generation ``g`` ends (its fault or drain was just written): the one key every worker's
+        watch thread blocks on (:class:`pitstop.runtime.worker.KeyWatch`), for either."""
+        self.ch.put(keys.ended(g), {"time": time.time()})
 
     def _unrecoverable(self, roles: List[int]) -> List[str]:
         """Why peers cannot give these roles their state (empty: they can), from the layout rank 0
@@ -725,6 +731,7 @@ class Controller:
                           resume_step=resume, reason=f"overlapping failure: {reason}")
         if self.roster is not None:
             self.ch.put(keys.fault(self.roster.generation), {"fallback": True, "resume_step": resume or 0})
+            self._ended(self.roster.generation)
         for ch in list(self.pending):
             self.pending.remove(ch)
             self.events.write("abandoned", change=ch["kind"], role=ch.get("role"), generation=ch["generation"], reason=reason)
@@ -779,6 +786,7 @@ class Controller:
             return
         self.events.write("fallback", mode="checkpoint-restart", resume_step=resume, reason=why)
         self.ch.put(keys.fault(g), {"fallback": True, "resume_step": resume})
+        self._ended(g)
         self._restart_all(resume, roles[0], reason, t_detect, fired)
 
     def _restart_all(self, resume: Optional[int], role: int, reason: str, t_detect: float, fired: Optional[float]) -> None:
@@ -922,6 +930,7 @@ class Controller:
         joiners = {r: self.members[s].info for r, s in slots.items()}
         self.ch.put(keys.drain(g), {"role": roles[0], "roles": sorted(roles), "generation": g + 1,
                                     "joiner": joiners[roles[0]].describe()})
+        self._ended(g)
         for r, slot in slots.items():
             self.ch.put(keys.assign(slot), {"role": r, "roles": sorted(roles), "generation": g + 1, "mode": "drain",
                                             "from_generation": g})

@@ -56,6 +56,10 @@ def drain(g: int) -> str:                  # sealed: a planned switch out of gen
     return f"ctl/drain/g{g}"
 
 
+def ended(g: int) -> str:                  # sealed stamp: fault(g) or drain(g) was written (what workers wait on)
+    return f"ctl/ended/g{g}"
+
+
 def drain_ready(g: int) -> str:            # sealed flag
     return f"ctl/drain/g{g}/ready"
 
@@ -104,7 +108,7 @@ def all_patterns(generations=(0, 1, 2), steps=range(0, 12), slots=range(0, 16)):
         out += [join(i, "hello"), join(i, "verdict"), apply(i, "hello"), apply(i, "verdict"),
                 assign(i), heartbeat(i), warm(i), drain_payload(i)]
     for g in generations:
-        out += [fault(g), drain(g), drain_ready(g), drain_nready(g), drain_switch(g)]
+        out += [fault(g), drain(g), ended(g), drain_ready(g), drain_nready(g), drain_switch(g)]
         out += [timing(g, w) for w in ("joiner", "leaver")] + [timing(g, f"r{r}") for r in range(8)]
         out += [timing(g, f"it{r}") for r in range(8)]
         for s in steps:

@@ -127,8 +127,8 @@ class Session:
             self.m.heartbeat.watchers.append(self._watch)
             # the fault itself is waited on: a stayer blocked on a dead peer is freed within a
             # round trip of the controller's announcement, not at the next heartbeat
-            self._fault_watch = worker.KeyWatch(f"fault-r{self.rank}", lambda: keys.fault(self.gen), self._watch,
-                                                self.ch).start()
+            self._fault_watch = worker.KeyWatch(f"ended-r{self.rank}", lambda: keys.ended(self.gen), self._watch,
+                                                self.ch, protocol.STAMP).start()
 
     # ------------------------------------------------------------------ helpers
     def prefix(self) -> str:
