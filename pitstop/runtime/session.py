@@ -125,8 +125,9 @@ class Session:
         self._fault_watch: Optional[worker.KeyWatch] = None
         if self.m.heartbeat is not None:
             self.m.heartbeat.watchers.append(self._watch)
-            # the fault itself is waited on: a stayer blocked on a dead peer is freed within a
-            # round trip of the controller's announcement, not at the next heartbeat
+            # the generation's end (a fault or a drain) is waited on: a stayer blocked on a dead
+            # peer is freed within a round trip of the controller's announcement, not at the
+            # next heartbeat
             self._fault_watch = worker.KeyWatch(f"ended-r{self.rank}", lambda: keys.ended(self.gen), self._watch,
                                                 self.ch, protocol.STAMP).start()
 
