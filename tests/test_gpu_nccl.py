@@ -14,21 +14,29 @@ pytestmark = [
 ]
 
 
+def _one_gpu(job, tmp_path, mode: str, keep_as: str) -> dict:
+    """Run ``tests/workers/nccl_worker.py <mode>`` as world 1; its result, kept as
+    ``keep_as`` under ``scripts/gpu_check``'s output folder when that is set."""
+    import os
+
+    ctx = job.start(f"nccl-{mode}", [str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(tmp_path), mode],
+                    range(1), 1)
+    wait_done(job, ctx, timeout=100)
+    res = json.loads((tmp_path / "result_0.json").read_text())
+    dest = os.environ.get("PITSTOP_GPU_CHECK_OUT")
+    if dest:
+        with open(os.path.join(dest, keep_as), "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps(res))
+    return res
+
+
 @pytest.mark.timeout(120)
 def test_one_gpu_registry_builds_uses_and_aborts_an_nccl_communicator(job, tmp_path):
     """What one GPU can check of the NCCL path: pitstop's registry builds a guarded NCCL
     communicator, an all-reduce on it is right, marking it broken aborts it. The memory NCCL
     takes outside the caching allocator is reported (``scripts/gpu_check`` keeps it)."""
-    import os
-
-    ctx = job.start("nccl-one", [str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(tmp_path), "one"], range(1), 1)
-    wait_done(job, ctx, timeout=100)
-    res = json.loads((tmp_path / "result_0.json").read_text())
-    dest = os.environ.get("PITSTOP_GPU_CHECK_OUT")
-    if dest:
-        with open(os.path.join(dest, "nccl.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    print(json.dumps(res))
+    res = _one_gpu(job, tmp_path, "one", "nccl.json")
     assert res["sum"] == 1.0 and res["backend"] == "nccl", res
     assert res["group_name"].startswith("pitstop:g0:"), res
     assert res["aborted"] is True, res
@@ -43,17 +51,7 @@ def test_a_guarded_nccl_wait_orders_the_callers_stream_and_never_blocks_the_host
     stream as Megatron's and DeepSpeed's overlapped reductions are, would read the output
     before NCCL wrote it. The operation is held back on the GPU for about a second, so a
     wrong ordering reads zeros."""
-    import os
-
-    ctx = job.start("nccl-stream", [str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(tmp_path), "stream"],
-                    range(1), 1)
-    wait_done(job, ctx, timeout=100)
-    res = json.loads((tmp_path / "result_0.json").read_text())
-    dest = os.environ.get("PITSTOP_GPU_CHECK_OUT")
-    if dest:
-        with open(os.path.join(dest, "nccl-stream.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    print(json.dumps(res))
+    res = _one_gpu(job, tmp_path, "stream", "nccl-stream.json")
     for what in ("reduce_scatter_tensor", "all_reduce"):
         r = res[what]
         assert r["gpu_busy_when_wait_returned"], res  # the check is live: the GPU still held the operation
@@ -67,17 +65,7 @@ def test_nccl_timed_wait_on_a_queued_operation(job, tmp_path):
     changes: a *timed* ``Work.wait`` on NCCL that expires while the operation is still queued
     on the GPU aborts the communicator. The guarded group polls gloo with 50 ms waits; on
     NCCL it waits untimed (before that, any NCCL operation held up 50 ms broke its group)."""
-    import os
-
-    ctx = job.start("nccl-timed", [str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(tmp_path), "timedwait"],
-                    range(1), 1)
-    wait_done(job, ctx, timeout=100)
-    res = json.loads((tmp_path / "result_0.json").read_text())
-    dest = os.environ.get("PITSTOP_GPU_CHECK_OUT")
-    if dest:
-        with open(os.path.join(dest, "nccl-timed-wait.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    print(json.dumps(res))
+    res = _one_gpu(job, tmp_path, "timedwait", "nccl-timed-wait.json")
     # seen on an H200 (torch 2.11, NCCL 2.28.9): the expired wait raises the watchdog's
     # timeout and the communicator is aborted; the next operation on it fails
     assert res["returned"] is None and "timing out" in res["error"], res

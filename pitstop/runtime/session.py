@@ -122,14 +122,14 @@ class Session:
         self.faults = [f for f in faults if f.rank == self.rank]
         if self.faults:
             self._arm_faults()
-        self._fault_watch: Optional[worker.KeyWatch] = None
+        self._end_watch: Optional[worker.KeyWatch] = None
         if self.m.heartbeat is not None:
             self.m.heartbeat.watchers.append(self._watch)
             # the generation's end (a fault or a drain) is waited on: a stayer blocked on a dead
             # peer is freed within a round trip of the controller's announcement, not at the
             # next heartbeat
-            self._fault_watch = worker.KeyWatch(f"ended-r{self.rank}", lambda: keys.ended(self.gen), self._watch,
-                                                self.ch, protocol.STAMP).start()
+            self._end_watch = worker.KeyWatch(f"ended-r{self.rank}", lambda: keys.ended(self.gen), self._watch,
+                                              self.ch, protocol.STAMP).start()
 
     # ------------------------------------------------------------------ helpers
     def prefix(self) -> str:

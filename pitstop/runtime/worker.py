@@ -116,7 +116,29 @@ def controller_lost(who: str, exc: BaseException) -> None:
     os._exit(EXIT_CONTROLLER_LOST)
 
 
-class Heartbeat:
+class _StoreThread:
+    """A daemon thread with a store connection of its own (a store client is not shared
+    across threads) and a sibling of the process's channel (it shares what the process
+    owns). Subclasses write :meth:`_run` and stop when ``_stop`` is set."""
+
+    def __init__(self, name: str, main: Channel) -> None:
+        self.store = store_mod.connect(os.environ[ENV_STORE], timeout=timedelta(seconds=30), mirrored=True)
+        self.channel = main.sibling(self.store)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Heartbeat(_StoreThread):
     """A daemon thread that bumps this process's heartbeat counter and runs watchers.
 
     It has its own store connection (a store client is not shared across threads).
@@ -129,23 +151,13 @@ class Heartbeat:
     """
 
     def __init__(self, slot: int, interval_s: float, main: Channel) -> None:
-        self.store = store_mod.connect(os.environ[ENV_STORE], timeout=timedelta(seconds=30), mirrored=True)
-        self.channel = main.sibling(self.store)  # shares what the process owns: reasserted at every beat
+        super().__init__(f"pitstop-heartbeat-{slot}", main)  # what the process owns is reasserted at every beat
         self.slot = slot
         self.beats = 0
         self.interval_s = interval_s
         self.watchers: List[Callable[[Channel], None]] = []
         self.grace_s = 0.0
         """How long a worker's training thread gets to stop by itself once the store is gone."""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"pitstop-heartbeat-{slot}", daemon=True)
-
-    def start(self) -> "Heartbeat":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -170,7 +182,7 @@ class Heartbeat:
             self._stop.wait(self.interval_s)
 
 
-class KeyWatch:
+class KeyWatch(_StoreThread):
     """A daemon thread that blocks on one store key and calls back as soon as it is written.
 
     The heartbeat's watchers run every ``heartbeat_interval_s`` (0.5 s): a stayer blocked in a
@@ -195,20 +207,10 @@ class KeyWatch:
 
     def __init__(self, name: str, key: Callable[[], str], callback: Callable[[Channel], None], main: Channel,
                  schema: Optional[protocol.Schema] = None) -> None:
-        self.store = store_mod.connect(os.environ[ENV_STORE], timeout=timedelta(seconds=30), mirrored=True)
-        self.channel = main.sibling(self.store)
+        super().__init__(f"pitstop-watch-{name}", main)
         self.key = key
         self.schema = schema
         self.callback = callback
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"pitstop-watch-{name}", daemon=True)
-
-    def start(self) -> "KeyWatch":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def _run(self) -> None:
         done = None
