@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pitstop-installed
+# The second lane: megatron-core 0.19 with megatron.training (Megatron-LM's own pretrain loop)
+LM_VENV  := .venv-lm
+LM_PY    := $(LM_VENV)/bin/python
+LM_STAMP := $(LM_VENV)/.pitstop-installed
 
-.PHONY: test demo bench venv clean etcd
+.PHONY: test demo bench venv venv-lm clean etcd
 
 # Debian's etcd-server (3.4) for the etcd control-plane tests; the tests start it themselves
 ETCD := $(shell command -v etcd 2>/dev/null)
@@ -27,8 +31,22 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-test: $(STAMP) etcd
+# megatron-core 0.19.2's only wheel is cp311 yet declares Requires-Python >=3.12: on this
+# Python 3.11 it installs with --ignore-requires-python, beside the same local CPU torch as the
+# main lane (pitstop.patches.py311 supplies the one 3.12 name it imports, typing.override).
+$(LM_STAMP): pyproject.toml constraints-lm.txt
+	test -x $(LM_PY) || $(PYTHON) -m venv $(LM_VENV)
+	$(LM_PY) -m pip install -q --upgrade pip
+	$(LM_PY) -m pip install -q torch==2.13.0
+	$(LM_PY) -m pip install -q --ignore-requires-python -c constraints-lm.txt -e '.[lm-dev]'
+	touch $(LM_STAMP)
+
+venv-lm: $(LM_STAMP)
+
+# Two lanes: megatron-core 0.16 and DeepSpeed (.venv), then Megatron-LM's own loop on 0.19 (.venv-lm)
+test: $(STAMP) $(LM_STAMP) etcd
 	$(PY) -m pytest -q
+	$(LM_PY) -m pytest -q -c pytest-lm.ini
 
 demo: $(STAMP)
 	$(VENV)/bin/pitstop demo
@@ -38,4 +56,4 @@ bench: $(STAMP)
 	$(VENV)/bin/pitstop bench recovery --json
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(LM_VENV) runs

@@ -138,6 +138,10 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+SOLO = "solo"
+"""The kind of :meth:`GroupRegistry.solo`: not a Megatron kind, and in no layout's plan."""
+
+
 class GroupRegistry:
     """Creates, looks up, replaces and destroys this rank's process groups."""
 
@@ -356,6 +360,18 @@ class GroupRegistry:
                     entries[kind] = self._derive(kind, gen, entries)
                     built.append(kind)
         return built
+
+    def solo(self) -> Entry:
+        """This rank alone, as a communicator of its own (built once, at this generation).
+
+        megatron-core 0.19 keeps GTP weight-remat groups that are singletons unless
+        ``gtp_remat_size`` > 1, and calls collectives on them (the params-norm reduce).
+        No other rank is in such a group, so it is never part of a delta: a joiner builds
+        its own, and a stayer's stays the same object across every replacement."""
+        e = self._entries.get(SOLO)
+        if e is None:
+            e = self._entries[SOLO] = self._build_comm(SOLO, (self.rank,), self.generation)
+        return e
 
     # ----------------------------------------------------------------- lookup
     def entry(self, kind: str) -> Optional[Entry]:

@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from pitstop.errors import InstallError, require
-from pitstop.groups import GroupRegistry
+from pitstop.groups import SOLO, GroupRegistry
 from pitstop.layout import ParallelLayout
 from pitstop.logtag import tag
 from pitstop.runtime import sandbox as _sandbox
@@ -66,6 +66,19 @@ _SLOTS: Dict[str, Tuple[str, str]] = {
     "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": ("edp", "group"),
     "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": ("edp", "gloo"),
     "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": ("intra-dist-opt", "group"),
+    # megatron-core 0.19: generalized tensor parallelism's weight-remat axis. pitstop supports
+    # gtp_remat_size == 1 only, where Megatron makes each "with GTP remat" group the plain one and
+    # the weight-remat groups singletons (GroupRegistry.solo).
+    "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": ("dp", "group"),
+    "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": ("dp-cp", "group"),
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": ("dp-cp", "group"),
+    "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": ("edp", "group"),
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": ("edp", "group"),
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": ("tp-ep-pp", "group"),
+    "_GTP_WEIGHT_REMAT_GROUP": (SOLO, "group"),
+    "_GTP_WEIGHT_REMAT_GLOBAL_RANKS": (SOLO, "ranks"),
+    "_EXPERT_GTP_WEIGHT_REMAT_GROUP": (SOLO, "group"),
+    "_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS": (SOLO, "ranks"),
 }
 
 # Globals with a fixed value after Megatron's own initialisation with pitstop's options.
@@ -96,6 +109,11 @@ _UNSUPPORTED = {
     "high_priority_stream_groups": None,
     "sharp_enabled_group": None,
     "create_all_gather_group": False,
+    # megatron-core 0.19
+    "gtp_remat_size": 1,
+    "expert_gtp_remat_size": 1,
+    "rank_offset": 0,
+    "local_world_size": None,
 }
 
 
@@ -158,7 +176,7 @@ def install(registry: GroupRegistry, create_gloo_process_groups: Optional[bool] 
         old = getattr(ps, name)
         if how == "slot":
             kind, what = _SLOTS[name]
-            entry = registry.entry(kind)
+            entry = registry.solo() if kind == SOLO else registry.entry(kind)
             if entry is None:
                 values[name] = None
             elif what == "group":
@@ -231,13 +249,18 @@ def initialize_model_parallel(
     sharp_enabled_group=None,
     create_all_gather_group: bool = False,
     *,
+    gtp_remat_size: int = 1,
+    expert_gtp_remat_size: int = 1,
+    rank_offset: int = 0,
+    local_world_size: Optional[int] = None,
     store=None,
     generation: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> GroupRegistry:
     """Drop-in for Megatron's ``initialize_model_parallel``, with pitstop-owned groups.
 
-    Takes Megatron's arguments (see its docstring) plus pitstop's keyword-only
+    Takes Megatron's arguments (see its docstring; 0.19's new ones, which Megatron-LM passes
+    by keyword, are keyword-only here) plus pitstop's keyword-only
     ``store`` (the control store; default: the default group's store),
     ``generation`` and ``backend``. Returns the :class:`GroupRegistry`.
     """

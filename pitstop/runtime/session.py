@@ -65,7 +65,8 @@ class Session:
     """pitstop's hook into one training process (see the module docstring)."""
 
     def __init__(self, model: Sequence[Any], optimizer, make_data: Callable[[int], Iterator], *,
-                 checkpoint_dir: Optional[str] = None, framework: Optional[Framework] = None) -> None:
+                 checkpoint_dir: Optional[str] = None, framework: Optional[Framework] = None,
+                 attach_world_at_first_step: bool = False) -> None:
         self.m: Membership = require_current()
         if framework is None:
             raise PitstopError("Session(framework=None): the session is handed its library's adapter; make it "
@@ -117,6 +118,12 @@ class Session:
         self._poison_told = False
         self._redo_from: Optional[int] = None
         self._new_gen = self.m.joiner
+        self.attach_world_at_first_step = attach_world_at_first_step
+        """The loop starts later than the session (Megatron-LM's ``train`` after its set-up world
+        collectives): the script calls :meth:`loop_begins` at its first step, and until then a
+        joiner answers world operations from rank 0's record and rank 0 goes on recording."""
+        self._world_attach: Optional[Tuple[int, int]] = None
+        """A joiner's (operation count, epoch) to join the world's stream at, once the loop begins."""
         """The next committed step is this process's first in a new generation: report its time."""
         faults = Fault.from_env() if (self.m.mode == "worker" and self.m.epoch == 0) else []
         self.faults = [f for f in faults if f.rank == self.rank]
@@ -185,8 +192,8 @@ class Session:
         """Yield step numbers from where this process starts up to ``last``; a step
         that a failure discarded is yielded again."""
         self._start()
-        if self.controlled:  # the set-up is over: a joiner replays nothing later
-            pgmod.world_group().stop_recording()
+        if not self.attach_world_at_first_step:
+            self.loop_begins()
         self._last = last
         step = self.first_step
         while step <= last:
@@ -204,6 +211,24 @@ class Session:
             elif self._redo_from is not None:  # the discarded window starts here (the step itself when K = 1)
                 step, self._redo_from = self._redo_from, None
         self.fence.armed = False
+
+    def loop_begins(self) -> None:
+        """The set-up is over: a joiner replays nothing later, and joins the world's operations
+        where its state was taken. :meth:`steps` calls it, unless the session was made with
+        ``attach_world_at_first_step`` (then the script does, at its first step)."""
+        if self.controlled:
+            pgmod.world_group().stop_recording()
+        if self._world_attach is not None:
+            seq, epoch = self._world_attach
+            self._world_attach = None
+            pgmod.world_group().attach(seq, epoch)
+        self._t_step = time.perf_counter()
+
+    def _attach_world(self, seq: int) -> None:
+        if self.attach_world_at_first_step:
+            self._world_attach = (seq, self.gen)
+        else:
+            pgmod.world_group().attach(seq, self.gen)
 
     def commit(self, step: Optional[int] = None, report: Any = None) -> List[Tuple[int, Any]]:
         """The iteration boundary. Returns the steps it made final, each with the ``report``
@@ -625,7 +650,7 @@ class Session:
         self.buddy = state.recv_snapshot(prv, group) if self.cfg.buddy else None
         self._restore(snap)
         self.snap = snap
-        pgmod.world_group().attach(snap.world_seq, self.gen)
+        self._attach_world(snap.world_seq)
         t_state = time.perf_counter()
         self.fw.resync_params(self.model, self.optimizer)
         self.first_step = step
@@ -661,7 +686,7 @@ class Session:
         for buf in self.fw.param_buffers(self.model, self.optimizer):
             state.pg_recv(pair, buf, 0)
         self.snap = snap
-        pgmod.world_group().attach(snap.world_seq, self.gen)
+        self._attach_world(snap.world_seq)
         self.first_step = int(step_s) + 1
         self.step = self.first_step
         self.data = self.make_data(self.first_step)

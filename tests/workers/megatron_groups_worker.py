@@ -40,6 +40,13 @@ def identity(x):
     return x if x is None or isinstance(x, (int, str, bool)) else f"{type(x).__name__}@{id(x)}"
 
 
+from importlib.metadata import version as _version
+
+from packaging.version import Version
+
+ORDER_FREE_GROUP_LIST = Version(_version("megatron-core")) >= Version("0.19")
+
+
 def answers():
     out = {}
     for name in sorted(dir(ps)):
@@ -62,6 +69,13 @@ def answers():
                 out[key] = f"error:{type(exc).__name__}"
     for name in pm.discover_globals(ps):
         out[f"global:{name}"] = describe(getattr(ps, name))
+    if ORDER_FREE_GROUP_LIST:
+        # megatron-core 0.19 creates its GTP weight-remat singletons and a separate EGTP-merged
+        # tp-ep-pp group (the same members as tp-ep-pp) at places of its own in this list, the
+        # list update_pg_timeout walks; pitstop's holds its groups in its own creation order.
+        # The members must still match: compared as the set of member lists.
+        out["global:_global_process_group_list"] = sorted(
+            {json.dumps(g, sort_keys=True) for g in out["global:_global_process_group_list"]}, key=str)
     return out
 
 

@@ -1,0 +1,263 @@
+"""Megatron-LM's own training loop (``megatron.training.pretrain``) under pitstop.
+
+A Megatron-LM user keeps their ``pretrain_gpt.py`` and their launch line. One line at the top
+of the script is all pitstop asks::
+
+    import pitstop.integrations.megatron_lm  # noqa: F401  (the one line)
+
+    args = parse_and_validate_args(extra_args_provider=my_provider)   # + the --pitstop-* flags
+    pretrain(pretrain_cfg_container_from_args(args), datasets_provider,
+             ModelType.encoder_or_decoder, forward_step, model_provider=...)
+
+and ``pitstop launch ... -- pretrain_gpt.py <Megatron-LM flags> [--pitstop-* flags]``. The
+import installs the hooks of :mod:`pitstop.patches.megatron_lm` into Megatron-LM's own seams::
+
+    Megatron-LM (megatron.training)                pitstop
+    arguments.parse_args(extra_args_provider)      + --pitstop-* flags, composed with the user's
+    initialize._initialize_distributed             join the job first (a standby waits for a role)
+    initialize.mpu.initialize_model_parallel       pitstop's groups (GroupRegistry), not Megatron's
+    training.setup_model_and_optimizer             a Session over the model and optimizer built
+    training.build_train_valid_test_data_iterators the session starts (a joiner takes its state);
+                                                   args.iteration and the samples follow it
+    training.train_step                            the iteration boundary: vote; a discarded step
+                                                   is rolled back and redone inside the one call
+
+Megatron-LM's loop never sees a discarded step: ``train_step`` returns only a committed one, so
+its iteration count, consumed samples, logging and ``--save`` stay as in an uninterrupted run.
+
+A joiner runs the script from the start, as every process does. Between its model set-up and its
+first iteration, Megatron-LM does world collectives (the set-up timers' barriers, the data
+loaders' flags); the stayers did those long ago. The joiner answers them from world rank 0's
+record of its own set-up (:class:`pitstop.pg.StoreWorldGroup`) and joins the world's live
+operation stream only at its first ``train_step``.
+
+Outside a pitstop job (no ``PITSTOP_STORE`` in the environment: plain ``torchrun``) every hook
+passes through, so the same script runs the uninterrupted baselines the tests compare against.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, List, Optional
+
+from pitstop.errors import PitstopError
+from pitstop.integrations.megatron import MegatronFramework, add_pitstop_args, runtime_config
+
+log = logging.getLogger(__name__)
+
+__all__ = ["install", "uninstall", "in_job", "session", "compose_args_provider", "MEGATRON_LM", "MegatronLMFramework"]
+
+
+def in_job() -> bool:
+    """Whether this process was started by pitstop (``pitstop launch`` or ``pitstop emulate``)."""
+    from pitstop.store import ENV_STORE
+
+    return bool(os.environ.get(ENV_STORE))
+
+
+class _State:
+    session = None
+    steps = None          # the session's step generator
+    first: Optional[int] = None
+    """The step the session yielded when it started, not yet run by ``train_step``."""
+    dataloader = None
+    scheduler = None
+    samples_per_step = 0
+    dataloader_type = "single"
+
+
+def session():
+    """The running :class:`~pitstop.runtime.session.Session` (None before the model is built, or
+    outside a pitstop job)."""
+    return _State.session
+
+
+# ------------------------------------------------------------------------------------ flags
+def compose_args_provider(user: Optional[Callable] = None) -> Callable:
+    """An ``extra_args_provider`` that adds the user's flags, then pitstop's ``--pitstop-*``."""
+    def provider(parser):
+        if user is not None:
+            parser = user(parser)
+            if parser is None:
+                raise PitstopError(f"extra_args_provider {getattr(user, '__name__', user)!r} returned None; "
+                                   "Megatron-LM expects it to return the parser")
+        if not any(a.dest == "pitstop_heartbeat_interval" for a in parser._actions):
+            add_pitstop_args(parser)
+        return parser
+
+    provider.pitstop_composed = True  # type: ignore[attr-defined]
+    return provider
+
+
+# -------------------------------------------------------------------------------- the adapter
+class MegatronLMFramework(MegatronFramework):
+    """Megatron-Core's adapter, plus what Megatron-LM's loop keeps beside the optimizer: the
+    learning-rate schedule's position. Its other settings come from the flags, the same on
+    every process; only ``num_steps`` moves."""
+
+    name = "megatron-lm"
+
+    def extra_state(self, model, optimizer):
+        sched = _State.scheduler
+        return {} if sched is None else {"lr_num_steps": int(sched.num_steps)}
+
+    def set_extra_state(self, model, optimizer, extra):
+        sched = _State.scheduler
+        if sched is None or "lr_num_steps" not in extra:
+            return
+        n = extra["lr_num_steps"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise PitstopError(f"the learning-rate schedule's position {n!r} in a snapshot: expected an integer >= 0")
+        sched.num_steps = n
+        sched.step(increment=0)  # the param groups' lr and weight decay for that position
+
+
+MEGATRON_LM = MegatronLMFramework()
+
+
+# ------------------------------------------------------------------------------ the hooks
+def _make_data(step: int):
+    """Megatron-LM's train iterator positioned at ``step`` (what a rollback and a joiner need).
+
+    Rebuilt with Megatron-LM's own ``build_pretraining_data_loader`` from the dataset its
+    first loader holds, at ``(step - 1) * samples per step`` consumed samples: the sampler's
+    order depends only on that count, so the batches are the uninterrupted run's. A rank that
+    reads no data (Megatron builds none on middle pipeline stages) gets None, as from Megatron."""
+    dl = _State.dataloader
+    if dl is None:
+        return None
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+
+    loader = build_pretraining_data_loader(dl.dataset, (step - 1) * _State.samples_per_step)
+    if _State.dataloader_type == "cyclic":
+        from megatron.training.training import cyclic_iter
+
+        return RerunDataIterator(iter(cyclic_iter(loader)))
+    return RerunDataIterator(iter(loader))
+
+
+def after_setup(model, optimizer, scheduler) -> None:
+    """``setup_model_and_optimizer`` returned: make the session over what it built."""
+    if not in_job():
+        return
+    from megatron.training import get_args
+
+    from pitstop.runtime.session import Session
+
+    args = get_args()
+    if args.virtual_pipeline_model_parallel_size is not None:
+        raise PitstopError(f"--virtual-pipeline-model-parallel-size {args.virtual_pipeline_model_parallel_size}: "
+                           "pitstop's Megatron-LM hooks rebuild one train iterator per rank, not one per "
+                           "virtual stage, so far; leave interleaving off under pitstop")
+    if args.dataloader_type not in ("single", "cyclic"):
+        raise PitstopError(f"--dataloader-type {args.dataloader_type}: pitstop rewinds Megatron-LM's own loaders "
+                           "('single' or 'cyclic') after a rollback; an external loader cannot be rewound by pitstop")
+    from pitstop.runtime.worker import require_current
+
+    cfg = require_current().config
+    if cfg.commit_interval != 1:
+        raise PitstopError(f"--pitstop-commit-interval {cfg.commit_interval}: under Megatron-LM's own loop every "
+                           "step is voted (1); a window of several steps would be redone after Megatron-LM "
+                           "logged them")
+    _State.scheduler = scheduler
+    _State.samples_per_step = args.global_batch_size
+    _State.dataloader_type = args.dataloader_type
+    _State.session = Session(model, optimizer, _make_data, framework=MEGATRON_LM, attach_world_at_first_step=True)
+
+
+def after_data(train_dataloader) -> None:
+    """Megatron-LM built its loaders: start the session here, before ``train`` reads
+    ``args.iteration``. A joiner takes its state now; every rank learns its first step."""
+    s = _State.session
+    if s is None:
+        return
+    from megatron.training import get_args
+
+    args = get_args()
+    _State.dataloader = train_dataloader
+    _State.steps = s.steps(args.train_iters)
+    _State.first = next(_State.steps)
+    done = _State.first - 1
+    if args.iteration != done:
+        log.info("%s Megatron-LM starts at iteration %d (was %d): the role's state is that of step %d",
+                 s.prefix(), done, args.iteration, done)
+    args.iteration = done
+    args.consumed_train_samples = done * args.global_batch_size
+
+
+def train_step(original: Callable, *a, **k):
+    """One committed step of Megatron-LM's loop: run, vote; a discarded step is redone here."""
+    s = _State.session
+    if s is None:
+        return original(*a, **k)
+    a = list(a)
+    while True:
+        if _State.first is not None:
+            step, _State.first = _State.first, None
+            s.loop_begins()  # a joiner joins the world's live operations here (see the module docstring)
+        else:
+            step = next(_State.steps)
+        a[1] = s.data  # data_iterator: positioned at this step
+        out = original(*a, **k)
+        if s.commit(step, _report(out)):
+            return out
+        # discarded: the session rolled back, rebuilt the delta and repositioned s.data
+
+
+def _report(out) -> dict:
+    loss = out[0] if isinstance(out, tuple) and out else {}
+    return {k: float(v) for k, v in loss.items()} if isinstance(loss, dict) else {}
+
+
+def finish() -> None:
+    """Megatron-LM's loop ended: let the session's generator finish its bookkeeping."""
+    if _State.steps is not None:
+        for _ in _State.steps:  # the generator ends once the last step is committed
+            raise PitstopError("Megatron-LM's loop ended before pitstop's last step: is --train-iters the same?")
+
+
+# -------------------------------------------------------------------------- install / uninstall
+class _Hooks:
+    """What :mod:`pitstop.patches.megatron_lm`'s hooks call (handed to it at :func:`install`)."""
+
+    in_job = staticmethod(in_job)
+    compose_args_provider = staticmethod(compose_args_provider)
+    after_setup = staticmethod(after_setup)
+    after_data = staticmethod(after_data)
+    train_step = staticmethod(train_step)
+    finish = staticmethod(finish)
+
+    @staticmethod
+    def join(args) -> None:
+        from pitstop.runtime import worker
+
+        worker.join(runtime_config(args))
+
+    @staticmethod
+    def refuse(what: str) -> None:
+        raise PitstopError(what)
+
+    @staticmethod
+    def initialize_model_parallel(*args, **kwargs) -> None:
+        from pitstop.integrations.megatron import initialize_model_parallel
+
+        initialize_model_parallel(*args, **kwargs)
+
+
+def install() -> None:
+    """Apply the hooks (:mod:`pitstop.patches.megatron_lm`) and, on a machine without CUDA, the
+    CPU shims. Idempotent; importing this module calls it."""
+    from pitstop.patches import megatron_lm
+
+    megatron_lm.apply(_Hooks())
+
+
+def uninstall() -> None:
+    from pitstop.patches import megatron_lm
+
+    megatron_lm.revert()
+
+
+install()

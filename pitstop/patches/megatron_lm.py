@@ -1,0 +1,260 @@
+"""pitstop's hooks in Megatron-LM's own loop (``megatron.training``, megatron-core 0.19.x).
+
+Each hook is one :class:`~pitstop.patches.Patch`: the upstream function's parameter names and
+the source lines the hook relies on are checked before anything is replaced, so a release that
+moves a seam fails here, by name, instead of training without pitstop. The behaviour behind the
+hooks lives in :mod:`pitstop.integrations.megatron_lm`; see its docstring for the picture.
+
+Every hook passes through outside a pitstop job, except that the ``--pitstop-*`` flags are
+always added (a script launched by plain ``torchrun`` still parses its launch line).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+from pitstop.patches._base import Patch, PatchSet
+
+__all__ = ["PATCHES", "apply", "revert", "is_applied"]
+
+REQUIRES = ">=0.19,<0.20"
+_MT = "megatron.training"
+
+
+class Hooks:
+    """What the hooks do, handed in by :mod:`pitstop.integrations.megatron_lm` at :func:`apply`
+    (patches sit below the integrations and never import them). Every method has a
+    pass-through meaning outside a pitstop job."""
+
+    def in_job(self) -> bool:
+        raise NotImplementedError
+
+    def compose_args_provider(self, user):
+        raise NotImplementedError
+
+    def join(self, args) -> None:
+        """Join the job (``torch.distributed`` not yet initialised)."""
+        raise NotImplementedError
+
+    def refuse(self, what: str) -> None:
+        raise NotImplementedError
+
+    def initialize_model_parallel(self, *args, **kwargs) -> None:
+        raise NotImplementedError
+
+    def after_setup(self, model, optimizer, scheduler) -> None:
+        raise NotImplementedError
+
+    def after_data(self, train_dataloader) -> None:
+        raise NotImplementedError
+
+    def train_step(self, original, *args, **kwargs):
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+
+class _Holder:
+    hooks: Hooks = None  # type: ignore[assignment]
+    pending_loader = None
+
+
+def _lm() -> Hooks:
+    return _Holder.hooks
+
+
+# ------------------------------------------------------------------------------ replacements
+def _parse_args(original):
+    @functools.wraps(original)
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        if not getattr(extra_args_provider, "pitstop_composed", False):
+            extra_args_provider = _lm().compose_args_provider(extra_args_provider)
+        return original(extra_args_provider, ignore_unknown_args)
+
+    return parse_args
+
+
+def _initialize_distributed(original):
+    @functools.wraps(original)
+    def _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, store,
+                                skip_model_parallel_init=False):
+        lm = _lm()
+        if lm.in_job():
+            import torch.distributed as dist
+
+            from megatron.training import get_args
+
+            if skip_model_parallel_init:
+                lm.refuse("pretrain(skip_model_parallel_init=True): under pitstop the model parallel groups are "
+                          "pitstop's; let Megatron-LM initialise them")
+            if not dist.is_initialized():
+                lm.join(get_args())  # a standby returns from here once it has a role
+        return original(get_embedding_ranks, get_position_embedding_ranks, store, skip_model_parallel_init)
+
+    return _initialize_distributed
+
+
+class _MpuRedirect(types.ModuleType):
+    """``parallel_state`` as ``megatron.training.initialize`` sees it: inside a pitstop job its
+    ``initialize_model_parallel`` is pitstop's drop-in; everything else is the real module."""
+
+    def __init__(self, real: types.ModuleType):
+        super().__init__(real.__name__)
+        self.__dict__["_pitstop_real"] = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_pitstop_real"], name)
+
+    def initialize_model_parallel(self, *args, **kwargs):
+        lm = _lm()
+        if not lm.in_job():
+            return self.__dict__["_pitstop_real"].initialize_model_parallel(*args, **kwargs)
+        lm.initialize_model_parallel(*args, **kwargs)  # Megatron-LM ignores the return value
+
+    def __repr__(self) -> str:
+        return f"<pitstop redirect of {self.__dict__['_pitstop_real'].__name__} for {_MT}.initialize>"
+
+
+def _mpu(real):
+    return _MpuRedirect(real)
+
+
+def _setup_model_and_optimizer(original):
+    @functools.wraps(original)
+    def setup_model_and_optimizer(*args, **kwargs):
+        model, optimizer, scheduler = original(*args, **kwargs)
+        _lm().after_setup(model, optimizer, scheduler)
+        return model, optimizer, scheduler
+
+    return setup_model_and_optimizer
+
+
+def _build_loaders(original):
+    @functools.wraps(original)
+    def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider):
+        loaders = original(build_train_valid_test_datasets_provider)
+        _Holder.pending_loader = loaders[0]
+        return loaders
+
+    return build_train_valid_test_data_loaders
+
+
+def _build_iterators(original):
+    @functools.wraps(original)
+    def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
+        _Holder.pending_loader = None
+        iterators = original(build_train_valid_test_datasets_provider)
+        loader, _Holder.pending_loader = _Holder.pending_loader, None
+        _lm().after_data(loader)
+        return iterators
+
+    return build_train_valid_test_data_iterators
+
+
+def _train_step(original):
+    @functools.wraps(original)
+    def train_step(*args, **kwargs):
+        return _lm().train_step(original, *args, **kwargs)
+
+    return train_step
+
+
+def _train(original):
+    @functools.wraps(original)
+    def train(*args, **kwargs):
+        out = original(*args, **kwargs)
+        _lm().finish()
+        return out
+
+    return train
+
+
+# ---------------------------------------------------------------------------------- the set
+def _build() -> PatchSet:
+    return PatchSet("megatron_lm", [
+        Patch(
+            name="megatron_lm.arguments.parse_args",
+            module=f"{_MT}.arguments", attr="parse_args", replacement=_parse_args,
+            params=("extra_args_provider", "ignore_unknown_args"), requires=REQUIRES,
+            source_contains=("parser = extra_args_provider(parser)",),
+        ),
+        Patch(
+            name="megatron_lm.initialize._initialize_distributed",
+            module=f"{_MT}.initialize", attr="_initialize_distributed", replacement=_initialize_distributed,
+            params=("get_embedding_ranks", "get_position_embedding_ranks", "store", "skip_model_parallel_init"),
+            requires=REQUIRES,
+            # already initialised (pitstop joined first): Megatron-LM takes the world as it is
+            source_contains=("if torch.distributed.is_initialized():",
+                             "args.rank = torch.distributed.get_rank()",
+                             "mpu.initialize_model_parallel("),
+        ),
+        Patch(
+            name="megatron_lm.initialize.mpu",
+            module=f"{_MT}.initialize", attr="mpu", replacement=_mpu, params=None, requires=REQUIRES,
+            source_contains=("from megatron.core import mpu", "mpu.initialize_model_parallel("),
+        ),
+        Patch(
+            name="megatron_lm.training.setup_model_and_optimizer",
+            module=f"{_MT}.training", attr="setup_model_and_optimizer", replacement=_setup_model_and_optimizer,
+            params=None, requires=REQUIRES,
+            source_contains=("return model, optimizer, opt_param_scheduler",),
+        ),
+        Patch(
+            name="megatron_lm.training.build_train_valid_test_data_loaders",
+            module=f"{_MT}.training", attr="build_train_valid_test_data_loaders", replacement=_build_loaders,
+            params=("build_train_valid_test_datasets_provider",), requires=REQUIRES,
+            source_contains=("return train_dataloader, valid_dataloaders, test_dataloader",),
+        ),
+        Patch(
+            name="megatron_lm.training.build_train_valid_test_data_iterators",
+            module=f"{_MT}.training", attr="build_train_valid_test_data_iterators", replacement=_build_iterators,
+            params=("build_train_valid_test_datasets_provider",), requires=REQUIRES,
+            source_contains=("train_dataloader, valid_dataloaders, test_dataloader = build_train_valid_test_data_loaders(",
+                             "return RerunDataIterator(iter(dataloader))"),
+        ),
+        Patch(
+            name="megatron_lm.training.train_step",
+            module=f"{_MT}.training", attr="train_step", replacement=_train_step,
+            params=("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler", "config",
+                    "forward_backward_func", "iteration", "pg_collection", "p2p_communicator"),
+            requires=REQUIRES,
+            source_contains=("opt_param_scheduler.step(increment=increment)",),
+        ),
+        Patch(
+            name="megatron_lm.training.train",
+            module=f"{_MT}.training", attr="train", replacement=_train, params=None, requires=REQUIRES,
+            # the loop this integration steps through: one train_step call per iteration, the
+            # data iterator passed positionally as its second argument
+            source_contains=("iteration = args.iteration", "train_step(", "train_data_iterator,"),
+        ),
+    ])
+
+
+PATCHES: PatchSet = _build()
+
+
+def apply(hooks: Hooks) -> bool:
+    """Apply every hook, calling ``hooks`` (and, without CUDA, the CPU shims of megatron-core
+    0.19 and ``megatron.training``). Returns whether anything was applied now."""
+    from pitstop.patches import py311
+
+    py311.apply()
+    _Holder.hooks = hooks
+    if PATCHES.applied:
+        return False
+    from pitstop.patches import megatron_cpu
+
+    megatron_cpu.apply()  # a no-op with CUDA
+    PATCHES.apply()
+    return True
+
+
+def revert() -> None:
+    PATCHES.revert()
+
+
+def is_applied() -> bool:
+    return PATCHES.applied
