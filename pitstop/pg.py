@@ -561,6 +561,11 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._tap("_allgather_base", (output, input))
         return DoneWork([output])
 
+    def all_gather_single(self, output, input, opts=None):  # noqa: A002
+        """torch >= 2.13's name for ``_allgather_base``: ``all_gather_into_tensor`` now calls it
+        (Megatron-LM's timers gather every rank's times over the world with it)."""
+        return self._allgather_base(output, input, opts)
+
 
 def _world_creator(store, rank, size, timeout):
     return StoreWorldGroup(store, rank, size, timeout)

@@ -436,6 +436,17 @@ class MegatronFramework(Framework):
     def install(self, reg) -> None:
         install(reg)
 
+    def new_generation(self, model, optimizer) -> None:
+        """megatron-core 0.19's optimizers all-reduce, once, whether any rank holds a separate
+        grad-norm group, and cache the answer (``_has_grad_norm_group_cache``). A joiner's
+        fresh optimizer asks at its first step; every stayer forgets the answer so that it
+        asks again, in the same step, and nobody waits on a collective the others skip."""
+        from pitstop.runtime.state import sub_optimizers
+
+        for opt in [optimizer, *sub_optimizers(optimizer)]:
+            if getattr(opt, "_has_grad_norm_group_cache", None) is not None:
+                opt._has_grad_norm_group_cache = None
+
 
 MEGATRON = MegatronFramework()
 

@@ -130,12 +130,18 @@ def _make_data(step: int):
     from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 
-    loader = build_pretraining_data_loader(dl.dataset, (step - 1) * _State.samples_per_step)
-    if _State.dataloader_type == "cyclic":
-        from megatron.training.training import cyclic_iter
+    import torch
 
-        return RerunDataIterator(iter(cyclic_iter(loader)))
-    return RerunDataIterator(iter(loader))
+    loader = build_pretraining_data_loader(dl.dataset, (step - 1) * _State.samples_per_step)
+    # iter(DataLoader) draws its workers' base seed from the default CPU generator, part of the
+    # state a rollback restored (and, on CPU, the generator dropout draws from): an iterator
+    # the uninterrupted run never made must not move it
+    with torch.random.fork_rng(devices=[]):
+        if _State.dataloader_type == "cyclic":
+            from megatron.training.training import cyclic_iter
+
+            return RerunDataIterator(iter(cyclic_iter(loader)))
+        return RerunDataIterator(iter(loader))
 
 
 def after_setup(model, optimizer, scheduler) -> None:

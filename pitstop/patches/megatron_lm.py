@@ -245,9 +245,9 @@ def apply(hooks: Hooks) -> bool:
     _Holder.hooks = hooks
     if PATCHES.applied:
         return False
-    from pitstop.patches import megatron_cpu
+    from pitstop.patches import megatron_lm_cpu
 
-    megatron_cpu.apply()  # a no-op with CUDA
+    megatron_lm_cpu.apply()  # a no-op with CUDA
     PATCHES.apply()
     return True
 
