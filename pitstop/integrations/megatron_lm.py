@@ -21,6 +21,7 @@ import installs the hooks of :mod:`pitstop.patches.megatron_lm` into Megatron-LM
                                                    args.iteration and the samples follow it
     training.train_step                            the iteration boundary: vote; a discarded step
                                                    is rolled back and redone inside the one call
+    RerunStateMachine._reduce_any                  no rerun of a step that will be discarded
 
 Megatron-LM's loop never sees a discarded step: ``train_step`` returns only a committed one, so
 its iteration count, consumed samples, logging and ``--save`` stay as in an uninterrupted run.
@@ -240,6 +241,12 @@ class _Hooks:
         from pitstop.runtime import worker
 
         worker.join(runtime_config(args))
+
+    @staticmethod
+    def step_discarded() -> bool:
+        from pitstop import pg
+
+        return _State.session is not None and pg.FENCE.armed and pg.FENCE.poisoned
 
     @staticmethod
     def refuse(what: str) -> None:

@@ -56,6 +56,10 @@ class Hooks:
     def finish(self) -> None:
         raise NotImplementedError
 
+    def step_discarded(self) -> bool:
+        """Whether the step running now will be thrown away (a peer failed in it)."""
+        raise NotImplementedError
+
 
 class _Holder:
     hooks: Hooks = None  # type: ignore[assignment]
@@ -172,6 +176,24 @@ def _train(original):
     return train
 
 
+def _reduce_any(original):
+    """Megatron-LM's rerun state machine all-reduces, over the world, every step, whether any
+    rank asks to rerun it (``--rerun-mode validate_results``, the default: a NaN loss or grad
+    norm asks). In a step a peer died in, garbage flowing through the groups still whole can
+    make some ranks ask and not others, and the world's reduction is abandoned: each rank
+    would go by its own answer, the ones that rerun wait forever on the ones that do not.
+    Such a step is discarded and redone anyway, so every rank answers "no rerun"."""
+
+    @functools.wraps(original)
+    def _reduce_any(self, value):
+        out = original(self, value)
+        if _lm().step_discarded():
+            return tuple(False for _ in value) if isinstance(value, list) else False
+        return out
+
+    return _reduce_any
+
+
 # ---------------------------------------------------------------------------------- the set
 def _build() -> PatchSet:
     return PatchSet("megatron_lm", [
@@ -222,6 +244,12 @@ def _build() -> PatchSet:
                     "forward_backward_func", "iteration", "pg_collection", "p2p_communicator"),
             requires=REQUIRES,
             source_contains=("opt_param_scheduler.step(increment=increment)",),
+        ),
+        Patch(
+            name="megatron_lm.rerun_state_machine._reduce_any",
+            module="megatron.core.rerun_state_machine", attr="RerunStateMachine._reduce_any",
+            replacement=_reduce_any, params=("self", "value"), requires=REQUIRES,
+            source_contains=("torch.distributed.all_reduce(val_tensor)",),
         ),
         Patch(
             name="megatron_lm.training.train",

@@ -102,15 +102,11 @@ def test_pitstop_flags_compose_with_the_users_provider():
 
 def test_megatron_lm_parse_args_gets_the_pitstop_flags(monkeypatch):
     """Through Megatron-LM's own parser: the hook composes whatever provider the script passes."""
-    from pitstop.patches import megatron_lm, py311
+    import pitstop.integrations.megatron_lm as lm
 
-    py311.apply()
-    megatron_lm.PATCHES.apply()
-    try:
-        from megatron.training import arguments
+    lm.install()  # what the script's one import line did
+    from megatron.training import arguments
 
-        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--pitstop-commit-interval", "1", "--num-layers", "2"])
-        args = arguments.parse_args(lambda p: (p.add_argument("--mine", default="x"), p)[1])
-        assert args.pitstop_commit_interval == 1 and args.mine == "x" and args.num_layers == 2
-    finally:
-        megatron_lm.PATCHES.revert()
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--pitstop-commit-interval", "1", "--num-layers", "2"])
+    args = arguments.parse_args(lambda p: (p.add_argument("--mine", default="x"), p)[1])
+    assert args.pitstop_commit_interval == 1 and args.mine == "x" and args.num_layers == 2

@@ -1,0 +1,121 @@
+"""Tier 3: Megatron-LM's own loop (``megatron.training.pretrain``, megatron-core 0.19) under pitstop.
+
+``examples/pretrain_gpt.py`` is a Megatron-LM script with pitstop's one import line. World 8
+(tp2 pp2 dp2), the distributed optimizer, overlapped grad reduce and param gather, dropout 0.1
+and ``--manual-gc``, on CPU. The ground truth is a plain ``torchrun`` of the same script, where
+every pitstop hook passes through (no pitstop store, groups, session or launcher):
+
+* an uninterrupted ``pitstop launch`` logs the same losses as Megatron-LM prints them and ends
+  with the same parameters, bit for bit, on every rank;
+* so does a run whose rank 5 is SIGKILLed in step 3's backward pass and replaced by a standby,
+  and the controller's ``replaced`` event says the replacement happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "examples" / "pretrain_gpt.py")
+STEPS = 6
+MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+         "--micro-batch-size 2 --global-batch-size 8 --log-interval 1 --lr 1e-3 --min-lr 1e-4 "
+         "--lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0 --seed 1234 --mock-data "
+         "--tokenizer-type NullTokenizer --vocab-size 128 --split 98,1,1 --eval-iters 0 --eval-interval 1000 "
+         # CPU: Megatron's local (non-Transformer-Engine) layers and no fused CUDA kernels
+         "--transformer-impl local --spec local --attention-backend local --distributed-backend gloo "
+         "--use-cpu-initialization --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
+         "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm").split()
+FEATURES = ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --use-distributed-optimizer "
+            "--overlap-grad-reduce --overlap-param-gather --manual-gc --hidden-dropout 0.1 "
+            "--attention-dropout 0.1").split()
+ARGS = [*MODEL, *FEATURES, "--train-iters", str(STEPS), "--checksum"]
+ENV = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+)")
+
+
+def _parse(text: str):
+    """(the losses Megatron-LM logged, by iteration; each rank's parameter checksum)."""
+    losses = {int(m.group(1)): m.group(2) for m in _LOSS.finditer(text)}
+    sums = {}
+    for line in text.splitlines():
+        if line.startswith('{"rank"'):
+            d = json.loads(line)
+            sums[d["rank"]] = d["param_sha256"]
+    return losses, sums
+
+
+def _tail(text: str, n: int = 60) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def _logs(run_dir: Path) -> str:
+    """Every process's stdout, and the tail of each one's stderr (printed when a test fails)."""
+    out = []
+    for f in sorted(run_dir.glob("logs/*/*/*/*/std*.log")):
+        text = f.read_text(errors="replace")
+        out.append(f"==== {f.relative_to(run_dir)}\n" + (text if f.name == "stdout.log" else _tail(text, 25)))
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The same script under plain torchrun: Megatron-LM alone, the ground truth."""
+    out = tmp_path_factory.mktemp("plain") / "out.log"
+    with open(out, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                               SCRIPT, *ARGS], stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT, timeout=400)
+    text = out.read_text(errors="replace")
+    assert proc.returncode == 0, _tail(text, 120)
+    losses, sums = _parse(text)
+    assert sorted(losses) == list(range(1, STEPS + 1)), _tail(text, 120)
+    assert len(sums) == 8 and len(set(sums.values())) == 4, sums  # dp peers hold the same parameters
+    return losses, sums
+
+
+def _launch(run_dir: Path, standby: int, fault: str = ""):
+    cmd = [sys.executable, "-m", "pitstop.cli", "launch", "--nproc-per-node", "8", "--standby", str(standby),
+           "--no-warmup", "--max-restarts", "0", "--collective-timeout", "60", "--run-dir", str(run_dir),
+           "--", SCRIPT, *ARGS]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(ENV, PITSTOP_FAULT=fault), cwd=ROOT,
+                          timeout=500)
+    logs = _logs(run_dir)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert proc.returncode == 0, f"{_tail(proc.stderr)}\n{json.dumps(events)[-3000:]}\n{logs[-20000:]}"
+    losses, sums = _parse(logs)
+    return losses, sums, events, logs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_uninterrupted_pitstop_run_is_megatron_lm_bit_for_bit(plain, tmp_path):
+    losses, sums, events, logs = _launch(tmp_path / "run", standby=0)
+    assert [e["event"] for e in events if e["event"] in ("failure", "replaced", "done")] == ["done"]
+    assert losses == plain[0], logs[-10000:]
+    assert sums == plain[1], logs[-10000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_sigkill_in_the_backward_pass_is_replaced_bit_for_bit(plain, tmp_path):
+    from pitstop.runtime.faults import Fault
+
+    fault = Fault.kill(rank=5).at(step=3, phase="backward")
+    losses, sums, events, logs = _launch(tmp_path / "run", standby=1, fault=fault.spec())
+    replaced = [e for e in events if e["event"] == "replaced"]
+    assert len(replaced) == 1 and replaced[0]["role"] == 5 and "SIGKILL" in replaced[0]["reason"], events
+    assert not [e for e in events if e["event"] in ("fallback", "failed", "abandoned")], events
+    # the joiner, a process that did not exist before the kill, computed rank 5's last steps
+    pids = {json.loads(line)["rank"]: json.loads(line)["pid"] for line in logs.splitlines() if line.startswith('{"rank"')}
+    assert replaced[0]["new"].endswith(f":{pids[5]}") and not replaced[0]["old"].endswith(f":{pids[5]}"), \
+        (pids, replaced)
+    assert losses == plain[0], logs[-10000:]
+    assert sums == plain[1], logs[-10000:]
