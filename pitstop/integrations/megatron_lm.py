@@ -219,10 +219,20 @@ def _report(out) -> dict:
 
 
 def finish() -> None:
-    """Megatron-LM's loop ended: let the session's generator finish its bookkeeping."""
-    if _State.steps is not None:
-        for _ in _State.steps:  # the generator ends once the last step is committed
-            raise PitstopError("Megatron-LM's loop ended before pitstop's last step: is --train-iters the same?")
+    """Megatron-LM's loop ended: let the session's generator finish its bookkeeping. The loop
+    may stop before ``--train-iters`` (``--exit-interval``, ``--exit-duration-in-mins``, a
+    signal): then the session just stops guarding steps."""
+    steps, _State.steps = _State.steps, None
+    if steps is None:
+        return
+    left = next(steps, None)  # after the last step the generator disarms the fence and ends
+    if left is not None:
+        s = _State.session
+        log.info("%s Megatron-LM's loop ended before step %d of %d", s.prefix(), left, s._last)
+        steps.close()
+        from pitstop import pg
+
+        pg.FENCE.armed = False
 
 
 # -------------------------------------------------------------------------- install / uninstall

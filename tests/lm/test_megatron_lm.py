@@ -21,6 +21,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from importlib.metadata import version as _version
+from packaging.version import Version
+
+# the second lane (Makefile: .venv-lm); a lane without megatron-core 0.19 is a broken install, not a skip
+if not Version("0.19") <= Version(_version("megatron-core")) < Version("0.20"):
+    raise RuntimeError(f"tests/lm run on megatron-core 0.19.x (make venv-lm), found {_version('megatron-core')}")
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "pretrain_gpt.py")

@@ -8,6 +8,12 @@ import textwrap
 import typing
 
 import pytest
+from importlib.metadata import version as _version
+from packaging.version import Version
+
+# the second lane (Makefile: .venv-lm); a lane without megatron-core 0.19 is a broken install, not a skip
+if not Version("0.19") <= Version(_version("megatron-core")) < Version("0.20"):
+    raise RuntimeError(f"tests/lm run on megatron-core 0.19.x (make venv-lm), found {_version('megatron-core')}")
 
 from pitstop.errors import PatchError, PitstopError
 
