@@ -118,13 +118,13 @@ class Session:
         self._poison_told = False
         self._redo_from: Optional[int] = None
         self._new_gen = self.m.joiner
+        """The next committed step is this process's first in a new generation: report its time."""
         self.attach_world_at_first_step = attach_world_at_first_step
         """The loop starts later than the session (Megatron-LM's ``train`` after its set-up world
         collectives): the script calls :meth:`loop_begins` at its first step, and until then a
         joiner answers world operations from rank 0's record and rank 0 goes on recording."""
         self._world_attach: Optional[Tuple[int, int]] = None
         """A joiner's (operation count, epoch) to join the world's stream at, once the loop begins."""
-        """The next committed step is this process's first in a new generation: report its time."""
         faults = Fault.from_env() if (self.m.mode == "worker" and self.m.epoch == 0) else []
         self.faults = [f for f in faults if f.rank == self.rank]
         if self.faults:
