@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, List, Optional
+from typing import Callable, Optional
 
 from pitstop.errors import PitstopError
 from pitstop.integrations.megatron import MegatronFramework, add_pitstop_args, runtime_config
