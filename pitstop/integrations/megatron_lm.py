@@ -208,14 +208,10 @@ def train_step(original: Callable, *a, **k):
             step = next(_State.steps)
         a[1] = s.data  # data_iterator: positioned at this step
         out = original(*a, **k)
-        if s.commit(step, _report(out)):
+        # no report: Megatron-LM logs the step itself (a float() of its loss here would sync the GPU)
+        if s.commit(step):
             return out
         # discarded: the session rolled back, rebuilt the delta and repositioned s.data
-
-
-def _report(out) -> dict:
-    loss = out[0] if isinstance(out, tuple) and out else {}
-    return {k: float(v) for k, v in loss.items()} if isinstance(loss, dict) else {}
 
 
 def finish() -> None:

@@ -35,6 +35,8 @@ import types
 from typing import Any, Callable
 
 from pitstop.patches._base import Patch, PatchSet
+# the same CPU stand-ins as 0.16's shim: the "CUDA" generator is the CPU one
+from pitstop.patches.megatron_cpu import _get_cuda_rng_state_cpu, _is_cuda_device, _set_cuda_rng_state_cpu
 
 __all__ = ["PATCHES", "apply", "revert", "is_applied"]
 
@@ -46,12 +48,7 @@ MC, MT = "megatron.core", "megatron.training"
 def _cpu_device(d: Any) -> Any:
     import torch
 
-    if isinstance(d, bool):
-        return d
-    if isinstance(d, int) or (isinstance(d, str) and d.startswith("cuda")) or \
-            (isinstance(d, torch.device) and d.type == "cuda"):
-        return torch.device("cpu")
-    return d
+    return torch.device("cpu") if _is_cuda_device(d) else d
 
 
 class _NullEvent:
@@ -228,26 +225,6 @@ def _fn(name: str, module: str, attr: str, replacement, *lines: str, params=None
 
 
 # ------------------------------------------------------------------------ replacements
-def _get_rng(original):
-    import torch
-
-    @functools.wraps(original)
-    def _get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
-        return torch.get_rng_state()
-
-    return _get_cuda_rng_state
-
-
-def _set_rng(original):
-    import torch
-
-    @functools.wraps(original)
-    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
-        torch.set_rng_state(new_state)
-
-    return _set_cuda_rng_state
-
-
 def _own_generator(original):
     """B8: a loader that draws its base seed from a generator of its own, not the CPU one."""
     import torch
@@ -281,6 +258,15 @@ def _set_states(original):
             return original(self, model_param, _MissingIsNone({k: v for k, v in tensors.items() if k != "step"}))
 
     return _set_main_param_and_optimizer_states
+
+
+def _memory_without_psutil(original):
+    """C2: a torch_dist save logs its memory through psutil, and raises when psutil is missing."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "HAVE_PSUTIL", True):
+        return original
+    return functools.wraps(original)(lambda: 0)
 
 
 def _own_steps(original):
@@ -339,9 +325,9 @@ def _build() -> PatchSet:
         _torch(f"{MC}.dist_checkpointing.strategies.filesystem_async", "torch.cuda.synchronize()"),
         _torch(f"{MC}.dist_checkpointing.strategies.state_dict_saver", "torch.cuda.current_device()"),
         # --- B: functions
-        _fn("random._get_cuda_rng_state", f"{MC}.tensor_parallel.random", "_get_cuda_rng_state", _get_rng,
+        _fn("random._get_cuda_rng_state", f"{MC}.tensor_parallel.random", "_get_cuda_rng_state", _get_cuda_rng_state_cpu,
             params=("device", "clone", "graph_safe")),
-        _fn("random._set_cuda_rng_state", f"{MC}.tensor_parallel.random", "_set_cuda_rng_state", _set_rng,
+        _fn("random._set_cuda_rng_state", f"{MC}.tensor_parallel.random", "_set_cuda_rng_state", _set_cuda_rng_state_cpu,
             params=("new_state", "device", "graph_safe")),
         # validate_args asks for the GPU architecture when tp > 1 (imported by name): pre-Blackwell
         _fn("arguments.get_device_arch_version", f"{MT}.arguments", "get_device_arch_version",
@@ -366,6 +352,8 @@ def _build() -> PatchSet:
         # --- C: not CUDA
         _fn("datasets.compile_helpers", f"{MC}.datasets.utils", "compile_helpers",
             lambda original: functools.wraps(original)(lambda: None), '"make"', params=()),
+        _fn("filesystem_async._process_memory", f"{MC}.dist_checkpointing.strategies.filesystem_async",
+            "_process_memory", _memory_without_psutil, "psutil", params=()),
         _fn("distrib_optimizer._set_main_param_and_optimizer_states", f"{MC}.optimizer.distrib_optimizer",
             "DistributedOptimizer._set_main_param_and_optimizer_states", _set_states,
             params=("self", "model_param", "tensors")),
@@ -377,7 +365,8 @@ def _build() -> PatchSet:
 
 
 PATCHES: PatchSet = _build()
-_dynamo_was: list = []
+_dynamo_disable: list = []
+"""``torch._dynamo.config.disable`` before :func:`apply` (empty while not applied)."""
 
 
 def apply(force: bool = False) -> bool:
@@ -391,13 +380,8 @@ def apply(force: bool = False) -> bool:
     PATCHES.apply()
     import torch._dynamo
 
-    _dynamo_was.append(torch._dynamo.config.disable)
+    _dynamo_disable[:] = [torch._dynamo.config.disable]
     torch._dynamo.config.disable = True  # Megatron's jit_fuser (torch.compile) runs eagerly
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if not getattr(filesystem_async, "HAVE_PSUTIL", True):  # C2: its memory log needs psutil
-        _dynamo_was.append(filesystem_async._process_memory)
-        filesystem_async._process_memory = lambda: 0
     return True
 
 
@@ -407,11 +391,7 @@ def revert() -> None:
     PATCHES.revert()
     import torch._dynamo
 
-    if len(_dynamo_was) == 2:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-        filesystem_async._process_memory = _dynamo_was.pop()
-    torch._dynamo.config.disable = _dynamo_was.pop()
+    torch._dynamo.config.disable = _dynamo_disable.pop()
 
 
 def is_applied() -> bool:
