@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -600,7 +600,8 @@ def world_group() -> StoreWorldGroup:
 
 
 class CompositeGroup(dist.ProcessGroup):
-    """The product of two orthogonal communicators, reduced inner first, then outer.
+    """The product of two orthogonal communicators, reduced inner first, then outer (a
+    one-element floating-point sum: gathered, and added in a flat group's order).
 
     ``ranks`` is the member list in Megatron's order; ``inner`` and ``outer`` are the
     two real groups of this rank whose product is exactly ``ranks``. Reductions
@@ -613,6 +614,10 @@ class CompositeGroup(dist.ProcessGroup):
         self.inner = inner
         self.outer = outer
         self._name = name
+        self._me = me
+        self._ranks = sorted(ranks)
+        self._order: Optional[List[Tuple[int, int]]] = None
+        """(outer rank, inner rank) of each member, by global rank: see :meth:`_sum_as_flat`."""
 
     def getBackendName(self) -> str:  # noqa: N802
         return "pitstop_composite"
@@ -629,9 +634,49 @@ class CompositeGroup(dist.ProcessGroup):
             opts = dist.AllreduceOptions()
         if _op(opts.reduceOp) not in _COMPOSABLE:
             raise GroupError(f"{self._name}: reduce op {opts.reduceOp} cannot be composed")
+        if _op(opts.reduceOp) == dist.ReduceOp.SUM and all(t.numel() == 1 and t.is_floating_point() for t in tensors):
+            for t in tensors:
+                self._sum_as_flat(t)
+            return DoneWork(list(tensors))
         self.inner.allreduce(tensors, opts).wait()
         self.outer.allreduce(tensors, opts).wait()
         return DoneWork(list(tensors))
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every member's ``t`` (one element), as an [outer rank, inner rank] matrix."""
+        row = [torch.empty_like(t) for _ in range(self.inner.size())]
+        self.inner.allgather([row], [t]).wait()
+        flat = torch.cat([r.reshape(1) for r in row])
+        rows = [torch.empty_like(flat) for _ in range(self.outer.size())]
+        self.outer.allgather([rows], [flat]).wait()
+        return torch.stack(rows)
+
+    def _sum_as_flat(self, t: torch.Tensor) -> None:
+        """A floating-point sum of one element, added up in the order a flat gloo group of the
+        same members adds it (its ring accumulates from the highest group rank down to rank 0:
+        ``v0 + (v1 + (... + v(n-1)))``), not inner-then-outer.
+
+        Why: the distributed optimizer's grad norm and zero count are one-element sums over
+        this group (``intra-dist-opt``). Summed inner-then-outer, the norm differed from
+        Megatron's own flat group in its last bit now and then, and with ``--clip-grad`` the
+        parameters did too (seen in a 20-step Megatron-LM run: equal to plain torchrun up to
+        step 19, a few elements one ulp apart after it). Larger tensors keep the two-step
+        reduction: a ring splits them into chunks, each added in an order of its own.
+        ``tests/test_pg.py`` checks the order against gloo itself."""
+        if self._order is None:
+            ids = self._gather(torch.tensor([float(self._me)], dtype=torch.float64))
+            members = sorted(((int(ids[o, i]), (o, i)) for o in range(ids.shape[0]) for i in range(ids.shape[1])))
+            if [g for g, _ in members] != self._ranks:  # a part is broken (a member died): garbage came back
+                opts = dist.AllreduceOptions()
+                self.inner.allreduce([t], opts).wait()
+                self.outer.allreduce([t], opts).wait()
+                return
+            self._order = [oi for _, oi in members]
+        vals = self._gather(t.reshape(1))
+        acc = vals[self._order[-1]].clone()
+        for oi in reversed(self._order[:-1]):
+            acc = vals[oi] + acc
+        t.copy_(acc.reshape(t.shape))
 
     def barrier(self, opts=None):  # noqa: ARG002
         self.inner.barrier().wait()

@@ -65,6 +65,9 @@ def test_world_group_composites_and_bad_replace(job, tmp_path):
         assert res["composite_type"] == "CompositeGroup"
         assert res["composite_sum"] == 15.0  # 1 + 2 + 4 + 8: every rank, each once
         assert res["composite_max"] == 3.0
+        # 40 seeded one-element sums: all as a flat gloo group adds them; inner-then-outer would not
+        same_flat, same_two_step = res["composite_sum_as_flat"]
+        assert same_flat == 40 and same_two_step < 40, res["composite_sum_as_flat"]
         assert res["composite_ranks"] == [0, 1, 2, 3] and res["composite_rank"] == r
         assert "allgather" in res["composite_gather_error"] and "tp-dp" in res["composite_gather_error"]
         assert "role(7) does not exist" in res["bad_replace"] and "0..3" in res["bad_replace"]

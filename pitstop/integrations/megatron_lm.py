@@ -103,6 +103,17 @@ class MegatronLMFramework(MegatronFramework):
         sched = _State.scheduler
         return {} if sched is None else {"lr_num_steps": int(sched.num_steps)}
 
+    def after_handover(self, model, optimizer):
+        """Megatron-LM's ``train`` runs a process's first iteration with the forward pre-hooks
+        off (and ``param_sync_func`` unset): with ``--overlap-param-gather`` a joiner's first
+        forward gathers no parameters, while the stayers' hooks would dispatch the gather of
+        the parameters the last step updated. So every rank gathers them now, as a restart's
+        first iteration finds them: a stayer's hooks then see the gather done (Megatron's
+        ``param_gather_dispatched``) and dispatch nothing, and all ranks compute with the same
+        parameters through the same collectives."""
+        if any(getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False) for c in model):
+            self.resync_params(model, optimizer)
+
     def set_extra_state(self, model, optimizer, extra):
         sched = _State.scheduler
         if sched is None or "lr_num_steps" not in extra:
@@ -171,7 +182,8 @@ def after_setup(model, optimizer, scheduler) -> None:
     _State.scheduler = scheduler
     _State.samples_per_step = args.global_batch_size
     _State.dataloader_type = args.dataloader_type
-    _State.session = Session(model, optimizer, _make_data, framework=MEGATRON_LM, attach_world_at_first_step=True)
+    _State.session = Session(model, optimizer, _make_data, framework=MEGATRON_LM,
+                             attach_world_at_first_step=True, switch_at_next_step=True)
 
 
 def after_data(train_dataloader) -> None:

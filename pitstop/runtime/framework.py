@@ -63,6 +63,12 @@ class Framework:
     def resync_params(self, model: Sequence[Any], optimizer) -> None:
         state.resync_params(model, optimizer)
 
+    def after_handover(self, model: Sequence[Any], optimizer) -> None:
+        """On every rank of the new generation once a drain's state changed hands: the stayers
+        after their groups were swapped, the joiner after it took the leaver's state, in that
+        order on each side (it may be collective). For a library whose loop treats a
+        process's first iteration differently from the others."""
+
     def new_generation(self, model: Sequence[Any], optimizer) -> None:
         """On every stayer once a replacement or drain installed the next generation's groups:
         drop what a library learnt about the old generation's run that a joiner, built

@@ -66,7 +66,7 @@ class Session:
 
     def __init__(self, model: Sequence[Any], optimizer, make_data: Callable[[int], Iterator], *,
                  checkpoint_dir: Optional[str] = None, framework: Optional[Framework] = None,
-                 attach_world_at_first_step: bool = False) -> None:
+                 attach_world_at_first_step: bool = False, switch_at_next_step: bool = False) -> None:
         self.m: Membership = require_current()
         if framework is None:
             raise PitstopError("Session(framework=None): the session is handed its library's adapter; make it "
@@ -125,6 +125,12 @@ class Session:
         joiner answers world operations from rank 0's record and rank 0 goes on recording."""
         self._world_attach: Optional[Tuple[int, int]] = None
         """A joiner's (operation count, epoch) to join the world's stream at, once the loop begins."""
+        self.switch_at_next_step = switch_at_next_step
+        """A drain's switch waits for the loop to ask for its next step, instead of happening inside
+        :meth:`commit`. For a loop that does world operations of its own between steps (Megatron-LM
+        logs, times and checks after ``train_step``): the leaver does them too, and hands over
+        where the joiner's loop begins, so all ranks count the same world operations."""
+        self._switch_due: Optional[int] = None
         faults = Fault.from_env() if (self.m.mode == "worker" and self.m.epoch == 0) else []
         self.faults = [f for f in faults if f.rank == self.rank]
         if self.faults:
@@ -197,6 +203,7 @@ class Session:
         self._last = last
         step = self.first_step
         while step <= last:
+            self._switch_if_due()
             self.step = step
             self._committed = None
             if self._provisional == 0:  # a new vote window; inside one, a poisoned fence stays poisoned
@@ -210,6 +217,7 @@ class Session:
                 step += 1
             elif self._redo_from is not None:  # the discarded window starts here (the step itself when K = 1)
                 step, self._redo_from = self._redo_from, None
+        self._switch_if_due()  # a drain after the last step: the joiner finishes the role
         self.fence.armed = False
 
     def loop_begins(self) -> None:
@@ -294,7 +302,10 @@ class Session:
             if self.cfg.save_interval and step % self.cfg.save_interval == 0:
                 self._save(step)
             if verdict == Verdict.SWITCH:
-                self._switch(step)
+                if self.switch_at_next_step:
+                    self._switch_due = step
+                else:
+                    self._switch(step)
             if self.cfg.warmup and self.cfg.hold_for_warm_s and self.m.mode == "worker" and self.m.epoch == 0 \
                     and self.steps_committed == 1:
                 self._hold_for_warm()
@@ -564,6 +575,27 @@ class Session:
             d["error"] = exc
             log.exception("%s drain preparation failed", self.prefix())
 
+    def _switch_if_due(self) -> None:
+        """The deferred switch (``switch_at_next_step``): the loop asked for its next step.
+
+        Every rank did the loop's between-step world operations since the vote; the rollback
+        point's operation count moves up to here on every rank, so the joiner (which joins the
+        world at its loop's start) and a later rollback agree with the stayers. The leaver
+        re-takes its state: it is the state at hand-off, whatever the loop did since the vote."""
+        if self._switch_due is None:
+            return
+        step, self._switch_due = self._switch_due, None
+        seq = pgmod.world_group().seq
+        if self._drain is None:
+            self._take_drain(self.ch, self.gen)
+        d = self._drain
+        if d is not None and self.rank in d["info"]["roles"]:
+            self.snap = state.take(self.optimizer, step, seq, out=self._spare,
+                                   extra=self.fw.extra_state(self.model, self.optimizer))
+        elif self.snap is not None:
+            self.snap.world_seq = seq
+        self._switch(step)
+
     def _switch(self, step: int) -> None:
         """Phase 2, at the boundary after ``step``: the leaver hands over and leaves.
 
@@ -601,6 +633,7 @@ class Session:
         with self._lock:
             pending = d.get("pending") or self.registry.prepare(roles)
             report, swapped = self._advance(pending)
+            self.fw.after_handover(self.model, self.optimizer)
         self._drain = None
         self._report(self.gen, f"r{self.rank}", switch_s=time.perf_counter() - t0, ready=time.time(),
                      rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped, stale=len(self.stale_refs))
@@ -685,6 +718,7 @@ class Session:
         self._restore(snap)
         for buf in self.fw.param_buffers(self.model, self.optimizer):
             state.pg_recv(pair, buf, 0)
+        self.fw.after_handover(self.model, self.optimizer)
         self.snap = snap
         self._attach_world(snap.world_seq)
         self.first_step = int(step_s) + 1

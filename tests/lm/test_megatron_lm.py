@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ if not Version("0.19") <= Version(_version("megatron-core")) < Version("0.20"):
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "pretrain_gpt.py")
-STEPS = 6
+STEPS = 20
 MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --global-batch-size 8 --log-interval 1 --lr 1e-3 --min-lr 1e-4 "
          "--lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0 --seed 1234 --mock-data "
@@ -87,12 +88,23 @@ def plain(tmp_path_factory):
     return losses, sums
 
 
-def _launch(run_dir: Path, standby: int, fault: str = ""):
+def _launch(run_dir: Path, standby: int, fault: str = "", during=None):
+    """``pitstop launch`` of the script; ``during(run_dir)`` runs while the job does."""
     cmd = [sys.executable, "-m", "pitstop.cli", "launch", "--nproc-per-node", "8", "--standby", str(standby),
            "--no-warmup", "--max-restarts", "0", "--collective-timeout", "60", "--run-dir", str(run_dir),
            "--", SCRIPT, *ARGS]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(ENV, PITSTOP_FAULT=fault), cwd=ROOT,
-                          timeout=500)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=dict(ENV, PITSTOP_FAULT=fault), cwd=ROOT) as job:
+        try:
+            if during is not None:
+                during(run_dir)
+            _, err = job.communicate(timeout=500)
+        except BaseException:
+            job.kill()
+            _, err = job.communicate()
+            print(_tail(err), _logs(run_dir)[-20000:], sep="\n")
+            raise
+    proc = subprocess.CompletedProcess(cmd, job.returncode, "", err)
     logs = _logs(run_dir)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert proc.returncode == 0, f"{_tail(proc.stderr)}\n{json.dumps(events)[-3000:]}\n{logs[-20000:]}"
@@ -123,5 +135,33 @@ def test_a_sigkill_in_the_backward_pass_is_replaced_bit_for_bit(plain, tmp_path)
     pids = {json.loads(line)["rank"]: json.loads(line)["pid"] for line in logs.splitlines() if line.startswith('{"rank"')}
     assert replaced[0]["new"].endswith(f":{pids[5]}") and not replaced[0]["old"].endswith(f":{pids[5]}"), \
         (pids, replaced)
+    assert losses == plain[0], logs[-10000:]
+    assert sums == plain[1], logs[-10000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_drain_hands_the_role_over_bit_for_bit(plain, tmp_path):
+    """The drain is asked for as soon as the job runs: the controller starts it once the roster
+    is up, the standby builds role 2 beside the training (phase 1) and takes it over at a vote.
+    Megatron-LM's loop does world operations between its steps (timers, logging), so the switch
+    happens where the next ``train_step`` begins (``Session(switch_at_next_step=True)``)."""
+    from pitstop.launch.controller import request_drain
+
+    def during(run_dir):
+        deadline = time.monotonic() + 120
+        while not (run_dir / "controller.json").is_file():
+            assert time.monotonic() < deadline, "the controller wrote no controller.json in 120 s"
+            time.sleep(0.2)
+        request_drain(run_dir, rank=2)
+
+    losses, sums, events, logs = _launch(tmp_path / "run", standby=1, during=during)
+    drained = [e for e in events if e["event"] == "drained"]
+    assert len(drained) == 1 and drained[0]["role"] == 2, events
+    assert not [e for e in events if e["event"] in ("failure", "replaced", "fallback", "failed")], events
+    # rank 2's checksum comes from the joiner, a process other than the one that started as rank 2
+    pids = {json.loads(line)["rank"]: json.loads(line)["pid"] for line in logs.splitlines() if line.startswith('{"rank"')}
+    assert drained[0]["new"].endswith(f":{pids[2]}") and not drained[0]["old"].endswith(f":{pids[2]}"), \
+        (pids, drained)
     assert losses == plain[0], logs[-10000:]
     assert sums == plain[1], logs[-10000:]

@@ -224,6 +224,21 @@ def main():
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comp)
     res["composite_max"] = t.item()
+    # a one-element float sum adds up as a flat gloo group of the same members does; summed
+    # inner (tp) then outer (dp) it differs in the last bit for some values
+    flat = dist.ProcessGroupGloo(dist.PrefixStore("flat-gloo/", store), rank, world, T)
+    same_flat = same_two_step = 0
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        v = (torch.rand(world, generator=g) * torch.logspace(-3, 3, world)[torch.randperm(world, generator=g)])[rank]
+        a, b, c = (torch.tensor([float(v)]) for _ in range(3))
+        dist.all_reduce(a, group=comp)
+        flat.allreduce([b]).wait()
+        dist.all_reduce(c, group=reg.group("tp"))
+        dist.all_reduce(c, group=reg.group("dp"))
+        same_flat += int(torch.equal(a, b))
+        same_two_step += int(torch.equal(c, b))
+    res["composite_sum_as_flat"] = [same_flat, same_two_step]
     res["composite_ranks"] = dist.get_process_group_ranks(comp)
     res["composite_rank"] = dist.get_rank(comp)
     try:
