@@ -643,13 +643,30 @@ class CompositeGroup(dist.ProcessGroup):
         return DoneWork(list(tensors))
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every member's ``t`` (one element), as an [outer rank, inner rank] matrix."""
-        row = [torch.empty_like(t) for _ in range(self.inner.size())]
+        """Every member's ``t`` (one element), as an [outer rank, inner rank] matrix. The buffers
+        start as copies of ``t``: a part that is broken (a peer died in this step) leaves them as
+        they were, and uninitialised memory made a negative squared norm, whose square root is
+        complex in Python, and Megatron's clipping raised on it: a stayer lost in a step that is
+        discarded anyway."""
+        row = [t.clone() for _ in range(self.inner.size())]
         self.inner.allgather([row], [t]).wait()
         flat = torch.cat([r.reshape(1) for r in row])
-        rows = [torch.empty_like(flat) for _ in range(self.outer.size())]
+        rows = [flat.clone() for _ in range(self.outer.size())]
         self.outer.allgather([rows], [flat]).wait()
         return torch.stack(rows)
+
+    def _member_order(self) -> List[Tuple[int, int]]:
+        """(outer rank, inner rank) of each member, by global rank. Arithmetic, no message: every
+        member must run the same collectives whatever it has cached (a joiner's first call and a
+        stayer's hundredth), or a healthy part would see two different operations. The parts are
+        orthogonal slices of one rank grid, so the member at (o, i) is ``inner[i] + outer[o] - me``."""
+        inner = [dist.get_global_rank(self.inner, i) for i in range(self.inner.size())]
+        outer = [dist.get_global_rank(self.outer, o) for o in range(self.outer.size())]
+        grid = sorted((a + b - self._me, (o, i)) for o, b in enumerate(outer) for i, a in enumerate(inner))
+        if [g for g, _ in grid] != self._ranks:
+            raise GroupError(f"{self._name}: inner {inner} x outer {outer} around rank {self._me} does not make "
+                             f"its members {self._ranks}")
+        return [oi for _, oi in grid]
 
     def _sum_as_flat(self, t: torch.Tensor) -> None:
         """A floating-point sum of one element, added up in the order a flat gloo group of the
@@ -664,14 +681,7 @@ class CompositeGroup(dist.ProcessGroup):
         reduction: a ring splits them into chunks, each added in an order of its own.
         ``tests/test_pg.py`` checks the order against gloo itself."""
         if self._order is None:
-            ids = self._gather(torch.tensor([float(self._me)], dtype=torch.float64))
-            members = sorted(((int(ids[o, i]), (o, i)) for o in range(ids.shape[0]) for i in range(ids.shape[1])))
-            if [g for g, _ in members] != self._ranks:  # a part is broken (a member died): garbage came back
-                opts = dist.AllreduceOptions()
-                self.inner.allreduce([t], opts).wait()
-                self.outer.allreduce([t], opts).wait()
-                return
-            self._order = [oi for _, oi in members]
+            self._order = self._member_order()
         vals = self._gather(t.reshape(1))
         acc = vals[self._order[-1]].clone()
         for oi in reversed(self._order[:-1]):

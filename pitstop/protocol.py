@@ -283,6 +283,10 @@ LAYOUT = Schema("layout", {"world_size": Field(int, lo=1, hi=2 ** 24), "tp": Fie
                            "ep": Field(int, lo=1, hi=2 ** 24), "etp": Field(int, type(None), lo=1, hi=2 ** 24),
                            "order": Field(str, max_len=64), "shard_kind": Field(str, max_len=32)})
 
+#: Where a script's own checkpoints are (Megatron-LM's ``--save``): an absolute directory and the
+#: name of the file in it that holds the last complete save's step (``latest_checkpointed_iteration.txt``).
+CHECKPOINT = Schema("checkpoint", {"dir": Field(str, max_len=4096), "marker": Field(str, max_len=255)})
+
 
 #: The controller's own state (launch.controller.Controller._state); checked field by field on restore.
 CONTROLLER_STATE = Schema("controller-state", {}, extra=True)

@@ -114,6 +114,21 @@ class MegatronLMFramework(MegatronFramework):
         if any(getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False) for c in model):
             self.resync_params(model, optimizer)
 
+    def save(self, ckpt_dir, step, model, optimizer):
+        raise PitstopError("pitstop's own checkpoints under Megatron-LM: Megatron-LM saves with its --save")
+
+    def load(self, ckpt_dir, model, optimizer, step):
+        """A checkpoint restart (no standby was left): Megatron-LM's own ``--load`` already
+        loaded the checkpoint in ``setup_model_and_optimizer``, model, optimizer, scheduler and
+        RNG states; the controller asked for the step its marker named. Say which was loaded."""
+        from megatron.training import get_args
+
+        args = get_args()
+        if args.iteration != step:
+            raise PitstopError(f"the controller restarts the job from step {step}, but Megatron-LM's --load "
+                               f"{args.load} loaded iteration {args.iteration}")
+        return int(args.iteration)
+
     def set_extra_state(self, model, optimizer, extra):
         sched = _State.scheduler
         if sched is None or "lr_num_steps" not in extra:
@@ -179,11 +194,41 @@ def after_setup(model, optimizer, scheduler) -> None:
         raise PitstopError(f"--pitstop-commit-interval {cfg.commit_interval}: under Megatron-LM's own loop every "
                            "step is voted (1); a window of several steps would be redone after Megatron-LM "
                            "logged them")
+    if cfg.save_interval:
+        raise PitstopError(f"pitstop's --save-interval {cfg.save_interval} under Megatron-LM: Megatron-LM "
+                           "checkpoints itself; give its --save DIR --load DIR --save-interval N, and pitstop's "
+                           "no-standby fallback restarts the job from that")
     _State.scheduler = scheduler
     _State.samples_per_step = args.global_batch_size
     _State.dataloader_type = args.dataloader_type
     _State.session = Session(model, optimizer, _make_data, framework=MEGATRON_LM,
                              attach_world_at_first_step=True, switch_at_next_step=True)
+    _declare_checkpoints(args, _State.session)
+
+
+#: The file in Megatron-LM's ``--save`` directory that names its last complete checkpoint.
+MARKER = "latest_checkpointed_iteration.txt"
+
+
+def _declare_checkpoints(args, s) -> None:
+    """World rank 0 tells the controller where Megatron-LM checkpoints, if a restart can resume
+    from there bit for bit: the no-standby fallback then restarts every process, and Megatron-LM's
+    own ``--load`` takes the last checkpoint. Otherwise the fallback has no checkpoint, and says so."""
+    if s.rank != 0 or not args.save:
+        return
+    why = None
+    if not args.save_interval:
+        why = "no --save-interval (Megatron-LM saves only at the end)"
+    elif not args.load or os.path.abspath(args.load) != os.path.abspath(args.save):
+        why = f"--load {args.load} is not --save {args.save} (a restart would not load what the job saved)"
+    elif args.no_load_optim or args.no_load_rng or args.finetune:
+        why = "--no-load-optim, --no-load-rng or --finetune (a restart would not resume the same run)"
+    if why:
+        log.warning("%s the no-standby fallback cannot restart from Megatron-LM's checkpoints: %s", s.prefix(), why)
+        return
+    from pitstop.runtime import keys
+
+    s.ch.put(keys.CHECKPOINT, {"dir": os.path.abspath(args.save), "marker": MARKER})
 
 
 def after_data(train_dataloader) -> None:

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -723,10 +723,7 @@ class Controller:
         """A failure during a change (a joiner, a stayer in the delta rebuild, a drain's joiner):
         the half-built generation cannot be trusted, so every worker restarts from the last
         checkpoint, or from scratch without one. Bitwise either way, and never a hang."""
-        from pitstop.runtime import checkpoint
-
-        save_dir = self.cfg.save_dir or str(self.run_dir / CHECKPOINTS)
-        resume = checkpoint.latest_step(save_dir) if self.cfg.save_interval else None
+        resume, _ = self._latest_checkpoint()
         self.events.write("fallback", mode="checkpoint-restart" if resume is not None else "restart-from-scratch",
                           resume_step=resume, reason=f"overlapping failure: {reason}")
         if self.roster is not None:
@@ -772,22 +769,45 @@ class Controller:
 
     def _fallback(self, roles: List[int], reason: str, step: int, t_detect: float, fired: Optional[float],
                   why: str = "no standby left") -> None:
-        from pitstop.runtime import checkpoint
-
         g = self.roster.generation
-        save_dir = self.cfg.save_dir or str(self.run_dir / CHECKPOINTS)
-        resume = checkpoint.latest_step(save_dir) if self.cfg.save_interval else None
+        resume, where = self._latest_checkpoint()
         self.events.write("failure", role=roles[0], roles=roles, reason=reason, step=step, generation=g,
                           standbys=len(self.pool))
         if resume is None:
             self.events.write("failed", reason=f"role(s) {','.join(map(str, roles))} lost, {why}, and no checkpoint "
-                                                f"(save_interval={self.cfg.save_interval}, dir {save_dir})")
+                                                f"(save_interval={self.cfg.save_interval}, {where})")
             self.exit_code = 1
             return
         self.events.write("fallback", mode="checkpoint-restart", resume_step=resume, reason=why)
         self.ch.put(keys.fault(g), {"fallback": True, "resume_step": resume})
         self._ended(g)
         self._restart_all(resume, roles[0], reason, t_detect, fired)
+
+    def _latest_checkpoint(self) -> Tuple[Optional[int], str]:
+        """The step a checkpoint restart resumes from (None: there is none), and where it looked.
+
+        pitstop's own checkpoints when the job saves them (``--save-interval``); otherwise the
+        script's, if world rank 0 declared them (Megatron-LM's ``--save``: the workers reload
+        it themselves through Megatron-LM's ``--load``). The declaration comes from the network:
+        an absolute directory and a bare file name, or it is refused."""
+        from pitstop.runtime import checkpoint
+
+        if self.cfg.save_interval:
+            d = self.cfg.save_dir or str(self.run_dir / CHECKPOINTS)
+            return checkpoint.latest_step(d), f"dir {d}"
+        ck = self.ch.read(keys.CHECKPOINT, protocol.CHECKPOINT)
+        if ck is None:
+            return None, "the script declared no checkpoints of its own"
+        d, marker = ck["dir"], ck["marker"]
+        if not os.path.isabs(d) or not marker or marker in (".", "..") or "/" in marker or "\0" in d + marker:
+            self.ch.refuse(keys.CHECKPOINT, f"checkpoint location {d!r}, marker {marker!r}: expected an absolute "
+                                            "directory and a file name")
+            return None, "the script's checkpoint declaration was refused"
+        try:
+            return checkpoint.latest_step(d, marker), f"the script's checkpoints in {d}"
+        except PitstopError as exc:
+            log.warning("the script's checkpoint marker cannot be used: %s", exc)
+            return None, f"the script's checkpoints in {d}: {exc}"
 
     def _restart_all(self, resume: Optional[int], role: int, reason: str, t_detect: float, fired: Optional[float]) -> None:
         """Stop every worker and start them all again (from checkpoint ``resume``, or from scratch).

@@ -87,9 +87,10 @@ def iter_dir(ckpt_dir: str | os.PathLike, step: int) -> Path:
     return Path(ckpt_dir) / f"iter_{step:07d}"
 
 
-def latest_step(ckpt_dir: str | os.PathLike) -> Optional[int]:
-    """The step of the last completed save, or None if ``ckpt_dir`` has none."""
-    marker = Path(ckpt_dir) / LATEST
+def latest_step(ckpt_dir: str | os.PathLike, marker_name: str = LATEST) -> Optional[int]:
+    """The step of the last completed save, or None if ``ckpt_dir`` has none. ``marker_name``:
+    the file holding it (pitstop's ``latest``; Megatron-LM's ``latest_checkpointed_iteration.txt``)."""
+    marker = Path(ckpt_dir) / marker_name
     try:
         text = marker.read_text()
     except FileNotFoundError:

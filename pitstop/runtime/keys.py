@@ -20,6 +20,7 @@ FAULT_FIRED = "ctl/fault/fired"             # sealed {time} a fault injector fir
 WARM_ALL = "ctl/warm-all"                   # sealed flag: every standby of the first pool finished its warmup
 RECORD_CLASSES = "ctl/record/classes"       # sealed {classes}: the layout's role classes, set by the recorders
 LAYOUT = "ctl/layout"                       # sealed: the job's parallel layout and shard group kind, set by rank 0
+CHECKPOINT = "ctl/checkpoint"               # sealed {dir, marker}: the script's own checkpoints (Megatron-LM --save), set by rank 0
 NODE_LINK = "ctl/node/link"                 # sealed {host, port}: where machines' agents open their link (launch.link)
 CONTROLLER_STATE = "ctl/controller/state"   # sealed: the controller's own state, for a restarted one (etcd only)
 
@@ -103,7 +104,7 @@ def node_event(k: int, name: str, what: str) -> str:  # started | exit: a proces
 def all_patterns(generations=(0, 1, 2), steps=range(0, 12), slots=range(0, 16)):
     """Every concrete key name of this module for small parameters (the fuzz test's target list)."""
     out = [ROSTER, APPLY_COUNT, DONE, DRAIN_REQUEST, COMMITTED, FAULT_FIRED, WARM_ALL, RECORD_CLASSES, LAYOUT, NODE_LINK,
-           CONTROLLER_STATE]
+           CONTROLLER_STATE, CHECKPOINT]
     for i in slots:
         out += [join(i, "hello"), join(i, "verdict"), apply(i, "hello"), apply(i, "verdict"),
                 assign(i), heartbeat(i), warm(i), drain_payload(i)]

@@ -76,11 +76,16 @@ def _logs(run_dir: Path) -> str:
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """The same script under plain torchrun: Megatron-LM alone, the ground truth."""
-    out = tmp_path_factory.mktemp("plain") / "out.log"
+    d = tmp_path_factory.mktemp("plain")
+    out = d / "out.log"
+    # each rank's output to a file of its own (-r 3): eight processes writing one stream can
+    # run two checksum lines together
     with open(out, "w") as f:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-                               SCRIPT, *ARGS], stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT, timeout=400)
-    text = out.read_text(errors="replace")
+                               "--log-dir", str(d / "ranks"), "-r", "3", SCRIPT, *ARGS], stdout=f,
+                              stderr=subprocess.STDOUT, env=ENV, cwd=ROOT, timeout=400)
+    text = out.read_text(errors="replace") + "\n".join(
+        f.read_text(errors="replace") for f in sorted((d / "ranks").glob("**/std*.log")))
     assert proc.returncode == 0, _tail(text, 120)
     losses, sums = _parse(text)
     assert sorted(losses) == list(range(1, STEPS + 1)), _tail(text, 120)
@@ -88,11 +93,11 @@ def plain(tmp_path_factory):
     return losses, sums
 
 
-def _launch(run_dir: Path, standby: int, fault: str = "", during=None):
+def _launch(run_dir: Path, standby: int, fault: str = "", during=None, restarts: int = 0, extra=()):
     """``pitstop launch`` of the script; ``during(run_dir)`` runs while the job does."""
     cmd = [sys.executable, "-m", "pitstop.cli", "launch", "--nproc-per-node", "8", "--standby", str(standby),
-           "--no-warmup", "--max-restarts", "0", "--collective-timeout", "60", "--run-dir", str(run_dir),
-           "--", SCRIPT, *ARGS]
+           "--no-warmup", "--max-restarts", str(restarts), "--collective-timeout", "60", "--run-dir", str(run_dir),
+           "--", SCRIPT, *ARGS, *extra]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=dict(ENV, PITSTOP_FAULT=fault), cwd=ROOT) as job:
         try:
@@ -163,5 +168,27 @@ def test_a_drain_hands_the_role_over_bit_for_bit(plain, tmp_path):
     pids = {json.loads(line)["rank"]: json.loads(line)["pid"] for line in logs.splitlines() if line.startswith('{"rank"')}
     assert drained[0]["new"].endswith(f":{pids[2]}") and not drained[0]["old"].endswith(f":{pids[2]}"), \
         (pids, drained)
+    assert losses == plain[0], logs[-10000:]
+    assert sums == plain[1], logs[-10000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_with_no_standby_the_job_restarts_from_megatron_lms_own_checkpoint(plain, tmp_path):
+    """No standby: rank 5 dies in step 6's backward pass, and the controller restarts every
+    process from the last checkpoint Megatron-LM saved itself (``--save``, every 4 steps), which
+    Megatron-LM's own ``--load`` reads back. The run then ends as the uninterrupted one."""
+    from pitstop.runtime.faults import Fault
+
+    ckpt = tmp_path / "ckpt"
+    fault = Fault.kill(rank=5).at(step=6, phase="backward")
+    losses, sums, events, logs = _launch(tmp_path / "run", standby=0, fault=fault.spec(), restarts=1,
+                                         extra=["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "4"])
+    fb = [e for e in events if e["event"] == "fallback"]
+    assert len(fb) == 1 and fb[0]["mode"] == "checkpoint-restart" and fb[0]["resume_step"] == 4, events
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS - STEPS % 4), events
+    assert [e["event"] for e in events if e["event"] in ("restarted", "done")] == ["restarted", "done"], events
+    # the restarted processes loaded it through Megatron-LM's own --load (rank 0 says so)
+    assert re.search(r"successfully loaded checkpoint from \S+ \[.*\] at iteration 4\b", logs), logs[-5000:]
     assert losses == plain[0], logs[-10000:]
     assert sums == plain[1], logs[-10000:]
