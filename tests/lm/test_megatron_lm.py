@@ -182,13 +182,21 @@ def test_with_no_standby_the_job_restarts_from_megatron_lms_own_checkpoint(plain
 
     ckpt = tmp_path / "ckpt"
     fault = Fault.kill(rank=5).at(step=6, phase="backward")
-    losses, sums, events, logs = _launch(tmp_path / "run", standby=0, fault=fault.spec(), restarts=1,
-                                         extra=["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "4"])
+    run = tmp_path / "run"
+    _, sums, events, logs = _launch(run, standby=0, fault=fault.spec(), restarts=1,
+                                    extra=["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "4"])
     fb = [e for e in events if e["event"] == "fallback"]
     assert len(fb) == 1 and fb[0]["mode"] == "checkpoint-restart" and fb[0]["resume_step"] == 4, events
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS - STEPS % 4), events
     assert [e["event"] for e in events if e["event"] in ("restarted", "done")] == ["restarted", "done"], events
     # the restarted processes loaded it through Megatron-LM's own --load (rank 0 says so)
     assert re.search(r"successfully loaded checkpoint from \S+ \[.*\] at iteration 4\b", logs), logs[-5000:]
-    assert losses == plain[0], logs[-10000:]
+    # the losses the restarted processes logged (the last pipeline rank, 7, logs them)
+    restarted = "\n".join(f.read_text(errors="replace") for f in run.glob("logs/w7-e1/*/*/*/stdout.log"))
+    losses = _parse(restarted)[0]
+    assert sorted(losses) == list(range(5, STEPS + 1)), restarted[-5000:]
+    # Megatron-LM's own restart logs a process's first iteration without resetting its sum, so
+    # the next line is the mean of both (training_log: should_reset = not is_first_iteration)
+    assert float(losses.pop(6)) == pytest.approx((float(plain[0][5]) + float(plain[0][6])) / 2, rel=0, abs=1.5e-6)
+    assert losses == {i: v for i, v in plain[0].items() if i >= 5 and i != 6}, restarted[-5000:]
     assert sums == plain[1], logs[-10000:]
