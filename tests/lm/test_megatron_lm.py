@@ -8,7 +8,10 @@ every pitstop hook passes through (no pitstop store, groups, session or launcher
 * an uninterrupted ``pitstop launch`` logs the same losses as Megatron-LM prints them and ends
   with the same parameters, bit for bit, on every rank;
 * so does a run whose rank 5 is SIGKILLed in step 3's backward pass and replaced by a standby,
-  and the controller's ``replaced`` event says the replacement happened.
+  and the controller's ``replaced`` event says the replacement happened; the same with
+  ``--bf16``, against a plain bf16 run;
+* so does a drain of rank 2 onto a standby;
+* and, with no standby, a SIGKILL and a restart from Megatron-LM's own ``--save`` checkpoint.
 """
 
 from __future__ import annotations
@@ -76,13 +79,21 @@ def _logs(run_dir: Path) -> str:
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """The same script under plain torchrun: Megatron-LM alone, the ground truth."""
-    d = tmp_path_factory.mktemp("plain")
+    return _plain(tmp_path_factory.mktemp("plain"))
+
+
+@pytest.fixture(scope="module")
+def plain_bf16(tmp_path_factory):
+    return _plain(tmp_path_factory.mktemp("plain-bf16"), ["--bf16"])
+
+
+def _plain(d: Path, extra=()):
     out = d / "out.log"
     # each rank's output to a file of its own (-r 3): eight processes writing one stream can
     # run two checksum lines together
     with open(out, "w") as f:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-                               "--log-dir", str(d / "ranks"), "-r", "3", SCRIPT, *ARGS], stdout=f,
+                               "--log-dir", str(d / "ranks"), "-r", "3", SCRIPT, *ARGS, *extra], stdout=f,
                               stderr=subprocess.STDOUT, env=ENV, cwd=ROOT, timeout=400)
     text = out.read_text(errors="replace") + "\n".join(
         f.read_text(errors="replace") for f in sorted((d / "ranks").glob("**/std*.log")))
@@ -142,6 +153,24 @@ def test_a_sigkill_in_the_backward_pass_is_replaced_bit_for_bit(plain, tmp_path)
         (pids, replaced)
     assert losses == plain[0], logs[-10000:]
     assert sums == plain[1], logs[-10000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bf16_a_sigkill_is_replaced_bit_for_bit(plain, plain_bf16, tmp_path):
+    """``--bf16``: Megatron's Float16Module, bf16 parameters with the distributed optimizer's
+    fp32 main copies, which the snapshot carries; the joiner's bf16 parameters come back from
+    the all-gather of those."""
+    from pitstop.runtime.faults import Fault
+
+    fault = Fault.kill(rank=5).at(step=3, phase="backward")
+    losses, sums, events, logs = _launch(tmp_path / "run", standby=1, fault=fault.spec(), extra=["--bf16"])
+    replaced = [e for e in events if e["event"] == "replaced"]
+    assert len(replaced) == 1 and replaced[0]["role"] == 5, events
+    assert re.search(r"^\s*bf16 \.+ True$", logs, re.M), logs[-5000:]  # Megatron-LM's own argument dump
+    assert plain_bf16[0] != plain[0]  # bf16 arithmetic is in effect
+    assert losses == plain_bf16[0], logs[-10000:]
+    assert sums == plain_bf16[1], logs[-10000:]
 
 
 @pytest.mark.slow
