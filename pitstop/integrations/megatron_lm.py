@@ -288,6 +288,36 @@ def finish() -> None:
         pg.FENCE.armed = False
 
 
+def emulated_batch(batch: dict, call: dict) -> dict:
+    """``get_batch_on_this_tp_rank`` returned ``batch`` (``call``: its arguments). Under
+    ``pitstop emulate``, when the tp rank 0 that broadcast it is a virtual participant, the
+    hybrid oracle left the receive buffers as Megatron allocated them (``torch.empty``):
+    uninitialised memory, which made an Inf in the first gradient and sent Megatron-LM's
+    rerun state machine to save and exit. Fill them with a well-formed batch instead (token
+    0 everywhere, a full loss mask, positions 0..s-1, the causal mask): the same shapes,
+    dtypes and operations, so the timing and memory the emulation measures are the real
+    rank's, with values that stay finite."""
+    from pitstop.emulation import runtime as emu
+
+    if emu.ACTIVE is None or call["tp_rank"] == 0 or call["broadcast_src_rank"] in emu.ACTIVE.cfg.real_ranks:
+        return batch
+    import torch
+
+    for key in ("tokens", "labels"):
+        if batch.get(key) is not None:
+            batch[key].zero_()
+    if batch.get("loss_mask") is not None:
+        batch["loss_mask"].fill_(1.0)
+    if batch.get("position_ids") is not None:
+        p = batch["position_ids"]
+        p.copy_(torch.arange(p.shape[-1], dtype=p.dtype).expand_as(p))
+    if batch.get("attention_mask") is not None:
+        m = batch["attention_mask"]
+        s = m.shape[-1]
+        m.copy_(torch.ones(s, s, dtype=torch.bool).triu(1).expand_as(m))  # True: masked (above the diagonal)
+    return batch
+
+
 # -------------------------------------------------------------------------- install / uninstall
 class _Hooks:
     """What :mod:`pitstop.patches.megatron_lm`'s hooks call (handed to it at :func:`install`)."""
@@ -298,6 +328,7 @@ class _Hooks:
     after_data = staticmethod(after_data)
     train_step = staticmethod(train_step)
     finish = staticmethod(finish)
+    emulated_batch = staticmethod(emulated_batch)
 
     @staticmethod
     def join(args) -> None:

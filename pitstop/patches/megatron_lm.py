@@ -12,6 +12,7 @@ always added (a script launched by plain ``torchrun`` still parses its launch li
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from typing import Any
 
@@ -194,6 +195,23 @@ def _reduce_any(original):
     return _reduce_any
 
 
+def _get_batch_on_this_tp_rank(original):
+    """Under ``pitstop emulate``, a tensor-parallel rank whose tp rank 0 (the one that reads
+    the data and broadcasts it) is virtual receives nothing real: the broadcasts still run
+    (they are timed and paced like any), then the integration fills the batch with sane data
+    of the same shapes. Outside emulation it returns Megatron's batch untouched."""
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(*args, **kwargs):
+        batch = original(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return _lm().emulated_batch(batch, dict(bound.arguments))
+
+    return get_batch_on_this_tp_rank
+
+
 # ---------------------------------------------------------------------------------- the set
 def _build() -> PatchSet:
     return PatchSet("megatron_lm", [
@@ -250,6 +268,17 @@ def _build() -> PatchSet:
             module="megatron.core.rerun_state_machine", attr="RerunStateMachine._reduce_any",
             replacement=_reduce_any, params=("self", "value"), requires=REQUIRES,
             source_contains=("torch.distributed.all_reduce(val_tensor)",),
+        ),
+        Patch(
+            name="megatron_lm.core.utils.get_batch_on_this_tp_rank",
+            module="megatron.core.utils", attr="get_batch_on_this_tp_rank", replacement=_get_batch_on_this_tp_rank,
+            params=("batch", "has_cu_seqlens", "is_hybrid_cp", "create_attention_mask_in_dataloader",
+                    "broadcast_src_rank", "broadcast_group", "cp_size", "tp_rank", "micro_batch_size", "seq_length",
+                    "mtp_on_this_rank", "pipeline_model_parallel_size", "is_pipeline_first_stage",
+                    "is_pipeline_last_stage"),
+            requires=REQUIRES,
+            # the receiving side allocates its buffers empty and fills them only by broadcast
+            source_contains=("tokens = torch.empty(shape, dtype=torch.int64", "if tp_rank == 0:"),
         ),
         Patch(
             name="megatron_lm.training.train",

@@ -229,3 +229,31 @@ def test_with_no_standby_the_job_restarts_from_megatron_lms_own_checkpoint(plain
     assert float(losses.pop(6)) == pytest.approx((float(plain[0][5]) + float(plain[0][6])) / 2, rel=0, abs=1.5e-6)
     assert losses == {i: v for i, v in plain[0].items() if i >= 5 and i != 6}, restarted[-5000:]
     assert sums == plain[1], logs[-10000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_pitstop_emulate_runs_megatron_lms_pretrain_at_world_16_on_two_processes(tmp_path):
+    """``pitstop emulate -- pretrain_gpt.py``: world 16 (tp2 pp2 dp4), real ranks 0 and 15,
+    every other rank virtual. Rank 15 is a tp rank 1 whose data comes by broadcast from a
+    virtual tp rank 0; Megatron-LM's loop still logs finite losses, and the report has both
+    real ranks' measured and replayed iteration times and their peak tensor memory."""
+    out = tmp_path / "emu"
+    args = list(ARGS)
+    args[args.index("--train-iters") + 1] = "3"
+    args.remove("--checksum")
+    proc = subprocess.run([sys.executable, "-m", "pitstop.cli", "emulate", "--world-size", "16", "--tp", "2", "--pp", "2",
+                           "--real-ranks", "0,15", "--out", str(out), "--timeout", "300", "--", SCRIPT, *args],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=800)
+    logs = "\n".join(f"==== {f}\n{_tail(f.read_text(errors='replace'), 40)}" for f in sorted(out.glob("logs/**/std*.log")))
+    assert proc.returncode == 0, f"{_tail(proc.stderr)}\n{logs[-20000:]}"
+    report = json.loads((out / "report.json").read_text())
+    assert report["world_size"] == 16 and [r["rank"] for r in report["ranks"]] == [0, 15], report
+    for r in report["ranks"]:
+        assert r["iter_s"] > 0 and r["replayed_iter_s"] > 0 and r["peak_tensor_bytes"] > 0, r
+    assert report["ranks"][1]["coords"]["tp"] == 1, report["ranks"][1]
+    # Megatron-LM itself ran at world 16 (its argument dump), and rank 15 logged every iteration finite
+    traced = "\n".join(f.read_text(errors="replace") for f in out.glob("logs/trace/*/*/*/stdout.log"))
+    assert re.search(r"^\s*world_size \.+ 16$", traced, re.M), traced[-3000:]
+    losses = _parse(traced)[0]
+    assert sorted(losses) == [1, 2, 3] and all(0 < float(v) < 100 for v in losses.values()), losses
