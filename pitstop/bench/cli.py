@@ -38,11 +38,12 @@ def add_benchmarks(bsub) -> None:
     g.add_argument("--no-timing", action="store_true", help="skip the multi-process timing; print only the plan rows")
     r = bsub.add_parser("recovery", help="checkpoint restart vs pitstop replacement vs drain, one run, same job")
     r.add_argument("--json", action="store_true")
-    r.add_argument("--steps", type=_count(2), default=8)
-    r.add_argument("--run-dir", default=None, help="default runs/bench-recovery[-deepspeed]")
-    r.add_argument("--framework", choices=("megatron", "deepspeed"), default="megatron",
-                   help="megatron: world-8 GPT vs dist_checkpointing restart; deepspeed: world-4 ZeRO-2 engine "
-                        "vs DeepSpeed's save_checkpoint/load_checkpoint restart")
+    r.add_argument("--steps", type=_count(2), default=None, help="default 8 (12 with --framework megatron-lm)")
+    r.add_argument("--run-dir", default=None, help="default runs/bench-recovery[-deepspeed|-megatron-lm]")
+    r.add_argument("--framework", choices=("megatron", "megatron-lm", "deepspeed"), default="megatron",
+                   help="megatron: world-8 GPT vs dist_checkpointing restart; megatron-lm: world-8 Megatron-LM "
+                        "pretrain vs its own --save/--load restart (run with .venv-lm's interpreter); deepspeed: "
+                        "world-4 ZeRO-2 engine vs DeepSpeed's save_checkpoint/load_checkpoint restart")
     r.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="with --framework deepspeed: the engine's ZeRO stage (default 2); the JSON says which")
     fm = bsub.add_parser("faults", help="the full fault matrix (4 roles x 5 phases), each bitwise against an uninterrupted run")
@@ -133,13 +134,20 @@ def run(args: argparse.Namespace) -> int:
             bad = unsupported({"zero_optimization": {"stage": stage}})
             if bad:  # before any process starts: nothing half-way
                 raise PitstopError(f"--zero-stage {stage}: " + "; ".join(bad))
-            out = bench_recovery_deepspeed(steps=args.steps, zero_stage=stage,
+            out = bench_recovery_deepspeed(steps=args.steps or 8, zero_stage=stage,
                                            run_dir=args.run_dir or "runs/bench-recovery-deepspeed")
+        elif args.framework == "megatron-lm":
+            if args.zero_stage is not None:
+                raise PitstopError(f"--zero-stage {args.zero_stage}: only with --framework deepspeed")
+            from pitstop.bench.megatron_lm import bench_recovery_megatron_lm
+
+            out = bench_recovery_megatron_lm(steps=args.steps or 12,
+                                             run_dir=args.run_dir or "runs/bench-recovery-megatron-lm")
         elif args.zero_stage is not None:
             raise PitstopError(f"--zero-stage {args.zero_stage}: only with --framework deepspeed (the Megatron "
                                "bench uses Megatron's distributed optimizer)")
         else:
-            out = bench_recovery(steps=args.steps, run_dir=args.run_dir or "runs/bench-recovery")
+            out = bench_recovery(steps=args.steps or 8, run_dir=args.run_dir or "runs/bench-recovery")
         print(json.dumps(out) if args.json else json.dumps(out, indent=2))
         return 0
     if args.cmd == "bench" and args.bench == "faults":

@@ -288,6 +288,13 @@ def finish() -> None:
         pg.FENCE.armed = False
 
 
+def joined_mid_run() -> bool:
+    """This process took its role after the job began (a standby: replacement or drain), so its
+    first iteration is not the job's (a checkpoint restart's is, as in Megatron-LM alone)."""
+    s = _State.session
+    return s is not None and s.controlled and s.m.joiner
+
+
 def emulated_batch(batch: dict, call: dict) -> dict:
     """``get_batch_on_this_tp_rank`` returned ``batch`` (``call``: its arguments). Under
     ``pitstop emulate``, when the tp rank 0 that broadcast it is a virtual participant, the
@@ -329,6 +336,7 @@ class _Hooks:
     train_step = staticmethod(train_step)
     finish = staticmethod(finish)
     emulated_batch = staticmethod(emulated_batch)
+    joined_mid_run = staticmethod(joined_mid_run)
 
     @staticmethod
     def join(args) -> None:

@@ -195,6 +195,22 @@ def _reduce_any(original):
     return _reduce_any
 
 
+def _training_log(original):
+    """Megatron-LM logs a process's first iteration even off ``--log-interval`` and does not
+    reset its loss sum there (``should_reset = not is_first_iteration``), so the next line
+    averages two iterations: right for a job that just started, wrong for a standby that took
+    a role in the middle of one (the uninterrupted run logged neither). A joiner's first
+    iteration is logged as any other."""
+
+    @functools.wraps(original)
+    def training_log(*args, **kwargs):
+        if kwargs.get("is_first_iteration") and _lm().joined_mid_run():
+            kwargs["is_first_iteration"] = False
+        return original(*args, **kwargs)
+
+    return training_log
+
+
 def _get_batch_on_this_tp_rank(original):
     """Under ``pitstop emulate``, a tensor-parallel rank whose tp rank 0 (the one that reads
     the data and broadcasts it) is virtual receives nothing real: the broadcasts still run
@@ -268,6 +284,17 @@ def _build() -> PatchSet:
             module="megatron.core.rerun_state_machine", attr="RerunStateMachine._reduce_any",
             replacement=_reduce_any, params=("self", "value"), requires=REQUIRES,
             source_contains=("torch.distributed.all_reduce(val_tensor)",),
+        ),
+        Patch(
+            name="megatron_lm.training.training_log",
+            module=f"{_MT}.training", attr="training_log", replacement=_training_log,
+            params=("loss_dict", "total_loss_dict", "learning_rate", "iteration", "loss_scale", "report_memory_flag",
+                    "skipped_iter", "grad_norm", "params_norm", "num_zeros_in_grad", "max_attention_logit",
+                    "pg_collection", "is_first_iteration", "seqlen_squared_sum_in_batch", "total_real_tokens_in_batch"),
+            requires=REQUIRES,
+            # train() passes it by keyword; the flag only decides the reset and the off-interval line
+            source_contains=("should_reset = not is_first_iteration",
+                             "if iteration % args.log_interval == 0 or is_first_iteration:"),
         ),
         Patch(
             name="megatron_lm.core.utils.get_batch_on_this_tp_rank",
