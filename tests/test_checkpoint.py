@@ -139,3 +139,49 @@ def test_rng_is_written_as_json_and_restored_and_an_old_pickled_file_still_loads
     assert _draws() == want
     with pytest.raises(checkpoint.CheckpointError, match="no RNG state for rank 1"):
         checkpoint._read_rng(legacy, 1)
+
+
+def test_a_scripts_checkpoint_declaration_is_read_checked_and_junk_refused(tmp_path):
+    """The controller's fallback resumes from the checkpoints world rank 0 declared (Megatron-LM's
+    ``--save``), read over the store: a marker in an absolute directory gives its step; a
+    relative directory, a path for a marker, a marker that is not a step number, an unsealed
+    value, each is refused or reported, and the fallback then has no checkpoint. A real
+    TCPStore and the real sealed channel."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from pitstop import protocol
+    from pitstop.launch.controller import Controller
+    from pitstop.runtime import keys
+    from pitstop.runtime.config import RuntimeConfig
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    refused = []
+    ch = protocol.Channel(store, b"t" * 32, on_refused=lambda key, why: refused.append((key, why)))
+    me = SimpleNamespace(cfg=RuntimeConfig(), ch=ch, run_dir=tmp_path)
+    latest = Controller._latest_checkpoint
+    assert latest(me) == (None, "the script declared no checkpoints of its own")
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "latest_checkpointed_iteration.txt").write_text("12\n")
+    ch.put(keys.CHECKPOINT, {"dir": str(d), "marker": "latest_checkpointed_iteration.txt"})
+    assert latest(me)[0] == 12 and not refused
+
+    for body in ({"dir": "ckpt", "marker": "latest_checkpointed_iteration.txt"},
+                 {"dir": str(d), "marker": "../../etc/passwd"},
+                 {"dir": str(d), "marker": ".."}):
+        ch.put(keys.CHECKPOINT, body)
+        assert latest(me) == (None, "the script's checkpoint declaration was refused"), body
+    assert len(refused) == 3 and all("expected an absolute directory and a file name" in why for _, why in refused)
+
+    (d / "latest_checkpointed_iteration.txt").write_text("release\n")  # Megatron-LM's name for a release checkpoint
+    ch.put(keys.CHECKPOINT, {"dir": str(d), "marker": "latest_checkpointed_iteration.txt"})
+    step, where = latest(me)
+    assert step is None and "'release'" in where and "expected a step number" in where
+
+    store.set(keys.CHECKPOINT, json.dumps({"dir": str(d), "marker": "x"}))  # not sealed with the job token
+    assert latest(me) == (None, "the script declared no checkpoints of its own")
+    assert len(refused) == 4 and refused[-1][0] == keys.CHECKPOINT
