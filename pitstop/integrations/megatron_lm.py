@@ -114,9 +114,6 @@ class MegatronLMFramework(MegatronFramework):
         if any(getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False) for c in model):
             self.resync_params(model, optimizer)
 
-    def save(self, ckpt_dir, step, model, optimizer):
-        raise PitstopError("pitstop's own checkpoints under Megatron-LM: Megatron-LM saves with its --save")
-
     def load(self, ckpt_dir, model, optimizer, step):
         """A checkpoint restart (no standby was left): Megatron-LM's own ``--load`` already
         loaded the checkpoint in ``setup_model_and_optimizer``, model, optimizer, scheduler and
@@ -295,6 +292,12 @@ def joined_mid_run() -> bool:
     return s is not None and s.controlled and s.m.joiner
 
 
+def emulating() -> bool:
+    from pitstop.emulation import runtime as emu
+
+    return emu.ACTIVE is not None
+
+
 def emulated_batch(batch: dict, call: dict) -> dict:
     """``get_batch_on_this_tp_rank`` returned ``batch`` (``call``: its arguments). Under
     ``pitstop emulate``, when the tp rank 0 that broadcast it is a virtual participant, the
@@ -306,7 +309,7 @@ def emulated_batch(batch: dict, call: dict) -> dict:
     rank's, with values that stay finite."""
     from pitstop.emulation import runtime as emu
 
-    if emu.ACTIVE is None or call["tp_rank"] == 0 or call["broadcast_src_rank"] in emu.ACTIVE.cfg.real_ranks:
+    if call["tp_rank"] == 0 or call["broadcast_src_rank"] in emu.ACTIVE.cfg.real_ranks:
         return batch
     import torch
 
@@ -337,6 +340,7 @@ class _Hooks:
     finish = staticmethod(finish)
     emulated_batch = staticmethod(emulated_batch)
     joined_mid_run = staticmethod(joined_mid_run)
+    emulating = staticmethod(emulating)
 
     @staticmethod
     def join(args) -> None:

@@ -61,6 +61,18 @@ class Hooks:
         """Whether the step running now will be thrown away (a peer failed in it)."""
         raise NotImplementedError
 
+    def joined_mid_run(self) -> bool:
+        """Whether this process took its role after the job began (a standby)."""
+        raise NotImplementedError
+
+    def emulating(self) -> bool:
+        """Whether this process runs under ``pitstop emulate``."""
+        raise NotImplementedError
+
+    def emulated_batch(self, batch: dict, call: dict) -> dict:
+        """``get_batch_on_this_tp_rank``'s batch under emulation (``call``: its arguments)."""
+        raise NotImplementedError
+
 
 class _Holder:
     hooks: Hooks = None  # type: ignore[assignment]
@@ -221,6 +233,8 @@ def _get_batch_on_this_tp_rank(original):
     @functools.wraps(original)
     def get_batch_on_this_tp_rank(*args, **kwargs):
         batch = original(*args, **kwargs)
+        if not _lm().emulating():  # every microbatch of a training run: no binding there
+            return batch
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         return _lm().emulated_batch(batch, dict(bound.arguments))

@@ -21,7 +21,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -32,13 +31,14 @@ from packaging.version import Version
 if not Version("0.19") <= Version(_version("megatron-core")) < Version("0.20"):
     raise RuntimeError(f"tests/lm run on megatron-core 0.19.x (make venv-lm), found {_version('megatron-core')}")
 
-from pitstop.bench.megatron_lm import FEATURES, MODEL  # noqa: E402  (the CPU job; the bench runs the same)
+from pitstop.bench import megatron_lm as bench  # noqa: E402  (the bench runs the same job)
+from pitstop.bench.megatron_lm import args_for, drain_at_once, launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "pretrain_gpt.py")
 STEPS = 20
-ARGS = [*MODEL, *FEATURES, "--train-iters", str(STEPS), "--checksum"]
-ENV = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+ARGS = args_for(STEPS)
+ENV = dict(os.environ, **bench.ENV)
 
 _LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+)")
 
@@ -96,27 +96,22 @@ def _plain(d: Path, extra=()):
 
 
 def _launch(run_dir: Path, standby: int, fault: str = "", during=None, restarts: int = 0, extra=()):
-    """``pitstop launch`` of the script; ``during(run_dir)`` runs while the job does."""
-    cmd = [sys.executable, "-m", "pitstop.cli", "launch", "--nproc-per-node", "8", "--standby", str(standby),
-           "--no-warmup", "--max-restarts", str(restarts), "--collective-timeout", "60", "--run-dir", str(run_dir),
-           "--", SCRIPT, *ARGS, *extra]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=dict(ENV, PITSTOP_FAULT=fault), cwd=ROOT) as job:
-        try:
-            if during is not None:
-                during(run_dir)
-            _, err = job.communicate(timeout=500)
-        except BaseException:
-            job.kill()
-            _, err = job.communicate()
-            print(_tail(err), _logs(run_dir)[-20000:], sep="\n")
-            raise
-    proc = subprocess.CompletedProcess(cmd, job.returncode, "", err)
+    """``pitstop launch`` of the script (the bench's launcher); ``during(run_dir)`` runs while the job does."""
+    try:
+        code, err, events = launch(run_dir, STEPS, standby, fault=fault, during=during, restarts=restarts,
+                                   extra=tuple(extra), root=ROOT)
+    except BaseException:
+        print(_logs(run_dir)[-20000:])
+        raise
     logs = _logs(run_dir)
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert proc.returncode == 0, f"{_tail(proc.stderr)}\n{json.dumps(events)[-3000:]}\n{logs[-20000:]}"
+    assert code == 0, f"{_tail(err)}\n{json.dumps(events)[-3000:]}\n{logs[-20000:]}"
     losses, sums = _parse(logs)
     return losses, sums, events, logs
+
+
+def _pids(logs: str) -> dict:
+    """Each rank's process id, from the checksum lines of the processes that ended the run."""
+    return {json.loads(line)["rank"]: json.loads(line)["pid"] for line in logs.splitlines() if line.startswith('{"rank"')}
 
 
 @pytest.mark.slow
@@ -139,7 +134,7 @@ def test_a_sigkill_in_the_backward_pass_is_replaced_bit_for_bit(plain, tmp_path)
     assert len(replaced) == 1 and replaced[0]["role"] == 5 and "SIGKILL" in replaced[0]["reason"], events
     assert not [e for e in events if e["event"] in ("fallback", "failed", "abandoned")], events
     # the joiner, a process that did not exist before the kill, computed rank 5's last steps
-    pids = {json.loads(line)["rank"]: json.loads(line)["pid"] for line in logs.splitlines() if line.startswith('{"rank"')}
+    pids = _pids(logs)
     assert replaced[0]["new"].endswith(f":{pids[5]}") and not replaced[0]["old"].endswith(f":{pids[5]}"), \
         (pids, replaced)
     assert losses == plain[0], logs[-10000:]
@@ -173,21 +168,12 @@ def test_a_drain_hands_the_role_over_bit_for_bit(plain, tmp_path):
     is up, the standby builds role 2 beside the training (phase 1) and takes it over at a vote.
     Megatron-LM's loop does world operations between its steps (timers, logging), so the switch
     happens where the next ``train_step`` begins (``Session(switch_at_next_step=True)``)."""
-    from pitstop.launch.controller import request_drain
-
-    def during(run_dir):
-        deadline = time.monotonic() + 120
-        while not (run_dir / "controller.json").is_file():
-            assert time.monotonic() < deadline, "the controller wrote no controller.json in 120 s"
-            time.sleep(0.2)
-        request_drain(run_dir, rank=2)
-
-    losses, sums, events, logs = _launch(tmp_path / "run", standby=1, during=during)
+    losses, sums, events, logs = _launch(tmp_path / "run", standby=1, during=drain_at_once(2))
     drained = [e for e in events if e["event"] == "drained"]
     assert len(drained) == 1 and drained[0]["role"] == 2, events
     assert not [e for e in events if e["event"] in ("failure", "replaced", "fallback", "failed")], events
     # rank 2's checksum comes from the joiner, a process other than the one that started as rank 2
-    pids = {json.loads(line)["rank"]: json.loads(line)["pid"] for line in logs.splitlines() if line.startswith('{"rank"')}
+    pids = _pids(logs)
     assert drained[0]["new"].endswith(f":{pids[2]}") and not drained[0]["old"].endswith(f":{pids[2]}"), \
         (pids, drained)
     assert losses == plain[0], logs[-10000:]
