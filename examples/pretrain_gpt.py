@@ -24,6 +24,7 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+import weakref  # noqa: E402
 from functools import partial  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
@@ -47,7 +48,10 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils import is_first_or_last_pipeline_stage  # noqa: E402
 
 _BUILT: list = []
-"""The model chunks this process built (their parameters are DDP's buffers once wrapped)."""
+"""Weak references to the model chunks this process built (their parameters are DDP's buffers
+once wrapped). Weak, because ``pretrain`` may build a model more than once in a process: a
+pitstop standby runs the script's own ``pretrain`` in its warmup sandbox before it takes a role,
+and that model must be freed, not hashed, afterwards."""
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -65,7 +69,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
-    _BUILT.append(model)
+    _BUILT.append(weakref.ref(model))
     return model
 
 
@@ -144,7 +148,7 @@ def add_example_args(parser):
 
 def param_checksum() -> str:
     h = hashlib.sha256()
-    for chunk in _BUILT:
+    for chunk in filter(None, (ref() for ref in _BUILT)):
         for name, p in sorted(chunk.named_parameters(), key=lambda kv: kv[0]):
             h.update(name.encode())
             h.update(p.detach().float().contiguous().cpu().numpy().tobytes())

@@ -548,8 +548,7 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._finish(op, keys)
         return DoneWork(list(output_tensors))
 
-    @_backend_work
-    def _allgather_base(self, output, input, opts=None):  # noqa: A002, ARG002
+    def _gather_into(self, name: str, output, input):  # noqa: A002
         if self.detached:
             return self._replay([output])
         op = self._next()
@@ -557,14 +556,19 @@ class StoreWorldGroup(dist.ProcessGroup):
         output.copy_(torch.cat([p.reshape(-1) for p in parts]).view(output.shape))
         self._record([output])
         self._finish(op, [f"{op}/{r}" for r in range(self.size())])
-        if TAP is not None:
-            self._tap("_allgather_base", (output, input))
+        if TAP is not None:  # under the name torch called: a sandbox's virtual world sees the same one
+            self._tap(name, (output, input))
         return DoneWork([output])
 
-    def all_gather_single(self, output, input, opts=None):  # noqa: A002
+    @_backend_work
+    def _allgather_base(self, output, input, opts=None):  # noqa: A002, ARG002
+        return self._gather_into("_allgather_base", output, input)
+
+    @_backend_work
+    def all_gather_single(self, output, input, opts=None):  # noqa: A002, ARG002
         """torch >= 2.13's name for ``_allgather_base``: ``all_gather_into_tensor`` now calls it
         (Megatron-LM's timers gather every rank's times over the world with it)."""
-        return self._allgather_base(output, input, opts)
+        return self._gather_into("all_gather_single", output, input)
 
 
 def _world_creator(store, rank, size, timeout):

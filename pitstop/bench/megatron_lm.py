@@ -77,11 +77,14 @@ def logs_of(run_dir: Path, pattern: str = "logs/*/*/*/*/std*.log") -> str:
 
 def launch(run_dir: Path, steps: int, standby: int, fault: str = "", during: Optional[Callable[[Path], None]] = None,
            restarts: int = 0, extra: Tuple[str, ...] = (), root: Optional[Path] = None,
-           timeout_s: float = 500) -> Tuple[int, str, List[dict]]:
-    """One ``pitstop launch`` of the script: (exit status, its stderr, the controller's events)."""
+           timeout_s: float = 500, warmup: bool = False) -> Tuple[int, str, List[dict]]:
+    """One ``pitstop launch`` of the script: (exit status, its stderr, the controller's events).
+    ``warmup``: standbys warm up in the sandbox, and step 1's ranks wait for them after it
+    (``--hold-for-warm``); otherwise standbys join cold (``--no-warmup``)."""
     root = root or Path.cwd()
+    warm = ["--hold-for-warm", "600"] if warmup else ["--no-warmup"]
     cmd = [sys.executable, "-m", "pitstop.cli", "launch", "--nproc-per-node", "8", "--standby", str(standby),
-           "--no-warmup", "--max-restarts", str(restarts), "--collective-timeout", "60", "--run-dir", str(run_dir),
+           *warm, "--max-restarts", str(restarts), "--collective-timeout", "60", "--run-dir", str(run_dir),
            "--", str(root / SCRIPT), *args_for(steps), *extra]
     env = dict(os.environ, **ENV, PITSTOP_FAULT=fault)
     with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=root) as job:

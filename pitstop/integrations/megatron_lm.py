@@ -64,6 +64,7 @@ class _State:
     """The step the session yielded when it started, not yet run by ``train_step``."""
     dataloader = None
     scheduler = None
+    pretrain = None       # the script's pretrain call, repeatable (a standby's warmup)
     samples_per_step = 0
     dataloader_type = "single"
 
@@ -169,8 +170,9 @@ def _make_data(step: int):
 
 
 def after_setup(model, optimizer, scheduler) -> None:
-    """``setup_model_and_optimizer`` returned: make the session over what it built."""
-    if not in_job():
+    """``setup_model_and_optimizer`` returned: make the session over what it built (not in a
+    standby's warmup sandbox: that iteration is thrown away)."""
+    if not in_job() or _in_sandbox():
         return
     from megatron.training import get_args
 
@@ -252,6 +254,9 @@ def train_step(original: Callable, *a, **k):
     """One committed step of Megatron-LM's loop: run, vote; a discarded step is redone here."""
     s = _State.session
     if s is None:
+        if _in_sandbox():  # a standby's warmup: one iteration, then back to waiting for a role
+            out = _step_outputs(original(*a, **k))
+            raise _SandboxStepDone(out, k.get("model", a[2] if len(a) > 2 else None))
         return original(*a, **k)
     a = list(a)
     while True:
@@ -328,6 +333,131 @@ def emulated_batch(batch: dict, call: dict) -> dict:
     return batch
 
 
+# ------------------------------------------------------------------------- the standby's warmup
+class _SandboxStepDone(Exception):
+    """Ends the sandboxed ``pretrain`` after its first ``train_step`` (with that step's outputs)."""
+
+    def __init__(self, out: dict, model):
+        super().__init__("the sandboxed iteration is done")
+        self.out, self.model = out, model
+
+
+def _in_sandbox() -> bool:
+    from pitstop.runtime import sandbox
+
+    return sandbox.active() is not None
+
+
+def pretrain_called(run: Callable[[], object]) -> None:
+    if _State.pretrain is None and not _in_sandbox():
+        _State.pretrain = run
+
+
+def _step_outputs(ret) -> dict:
+    """What a warmup report shows of Megatron-LM's ``train_step`` return value: the loss as its
+    log line computes it (last stage only), the grad norm, whether the update happened."""
+    loss_dict, skipped, grad_norm = ret[0], ret[1], ret[5]
+    out = {"update_successful": not skipped, "grad_norm": None if grad_norm is None else float(grad_norm)}
+    if "lm loss" in loss_dict:
+        out["loss"] = float(loss_dict["lm loss"])
+    return out
+
+
+class _KeptGlobals:
+    """Megatron-LM sets its globals once per process: the arguments, timers, the rerun state
+    machine, the microbatch calculator, its start timestamps. A sandboxed ``pretrain`` runs
+    inside the standby's own (its ``initialize_megatron`` is waiting for a role), so it gets
+    fresh timers, and everything it changed is put back afterwards, as are Python's garbage
+    collector (``--manual-gc`` turns it off) and the random generators (the real set-up seeds
+    them again anyway)."""
+
+    def __enter__(self) -> None:
+        import copy
+        import gc
+        import random
+
+        import numpy as np
+        import torch
+        from megatron.core import num_microbatches_calculator as nmc
+        from megatron.core import rerun_state_machine as rsm
+        from megatron.training import global_vars as gv
+        from megatron.training import training as tr
+        from megatron.training.global_vars import Timers
+
+        self.gv = {k: v for k, v in vars(gv).items() if k.startswith("_GLOBAL_")}
+        args = gv._GLOBAL_ARGS
+        self.args = args, dict(vars(args))
+        self.rsm, rsm._GLOBAL_RERUN_STATE_MACHINE = rsm._GLOBAL_RERUN_STATE_MACHINE, None  # made once, asserts
+        self.nmc = copy.deepcopy(nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR)
+        self.tr = {k: copy.copy(getattr(tr, k)) for k in ("_STARTUP_TIMESTAMPS", "_LEGACY_TRAIN_START_TIME",
+                                                           "_TRAIN_START_TIME")}
+        self.gc = gc.isenabled()
+        self.rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        gv._GLOBAL_TIMERS = Timers(args.timing_log_level, args.timing_log_option)
+
+    def __exit__(self, *exc) -> None:
+        import gc
+        import random
+
+        import numpy as np
+        import torch
+        from megatron.core import num_microbatches_calculator as nmc
+        from megatron.core import rerun_state_machine as rsm
+        from megatron.training import global_vars as gv
+        from megatron.training import training as tr
+
+        for k, v in self.gv.items():
+            setattr(gv, k, v)
+        args, saved = self.args
+        vars(args).clear()
+        vars(args).update(saved)
+        rsm._GLOBAL_RERUN_STATE_MACHINE = self.rsm
+        nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = self.nmc
+        for k, v in self.tr.items():
+            setattr(tr, k, v)
+        random.setstate(self.rng[0])
+        np.random.set_state(self.rng[1])
+        torch.set_rng_state(self.rng[2])
+        if self.gc:
+            gc.enable()
+        gc.collect()  # the sandbox's model and optimizer (cycles, with --manual-gc uncollected)
+
+
+def _release(model) -> None:
+    """Let the sandbox's model go. Megatron's DDP leaves a hook on each parameter's gradient
+    accumulator that refers to the parameter and to the DDP, and that accumulator outlives the
+    sandbox in torch's C++ autograd state, where Python's collector cannot see it: the model, its
+    grad buffers and its optimizer's state would stay for the life of the standby (and anything
+    that walks the models a process built would find it). So the parameters are emptied and the
+    wrappers' own attributes dropped: what the hooks still refer to holds no memory."""
+    import torch
+
+    for chunk in model or ():
+        for p in chunk.parameters():
+            p.data = torch.empty(0, dtype=p.dtype)
+            if hasattr(p, "main_grad"):
+                del p.main_grad
+        vars(chunk).clear()
+
+
+def sandbox_iteration() -> dict:
+    """A standby's warmup (:mod:`pitstop.runtime.sandbox`): the script's own ``pretrain`` once
+    more, with the arguments it was called with, as the recorder's role, up to the end of its
+    first ``train_step``. Megatron-LM's set-up (``initialize_megatron``'s groups and seeds,
+    ``setup_model_and_optimizer``, the data loaders) and one real iteration run; every
+    collective is answered from the record; then the standby goes back to waiting."""
+    run = _State.pretrain
+    if run is None:
+        raise PitstopError("no pretrain call to repeat (the script called an unpatched pretrain)")
+    with _KeptGlobals():
+        try:
+            run()
+        except _SandboxStepDone as done:
+            _release(done.model)
+            return done.out
+    raise PitstopError("the sandboxed pretrain ended without a train step (--train-iters 0, or --skip-train?)")
+
+
 # -------------------------------------------------------------------------- install / uninstall
 class _Hooks:
     """What :mod:`pitstop.patches.megatron_lm`'s hooks call (handed to it at :func:`install`)."""
@@ -341,12 +471,17 @@ class _Hooks:
     emulated_batch = staticmethod(emulated_batch)
     joined_mid_run = staticmethod(joined_mid_run)
     emulating = staticmethod(emulating)
+    pretrain_called = staticmethod(pretrain_called)
 
     @staticmethod
     def join(args) -> None:
         from pitstop.runtime import worker
 
-        worker.join(runtime_config(args))
+        cfg = runtime_config(args)
+        if cfg.warmup and _State.pretrain is None:
+            log.warning("pretrain was not called through pitstop's hook (import pitstop.integrations.megatron_lm "
+                        "before `from megatron.training import pretrain`): a standby joins cold")
+        worker.join(cfg, warmup=sandbox_iteration if _State.pretrain is not None else None)
 
     @staticmethod
     def step_discarded() -> bool:

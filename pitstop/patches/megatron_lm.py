@@ -73,6 +73,11 @@ class Hooks:
         """``get_batch_on_this_tp_rank``'s batch under emulation (``call``: its arguments)."""
         raise NotImplementedError
 
+    def pretrain_called(self, run) -> None:
+        """The script called ``pretrain``; ``run()`` calls it again with the same arguments
+        (a standby's sandboxed warmup runs the script's own set-up and first step that way)."""
+        raise NotImplementedError
+
 
 class _Holder:
     hooks: Hooks = None  # type: ignore[assignment]
@@ -92,6 +97,18 @@ def _parse_args(original):
         return original(extra_args_provider, ignore_unknown_args)
 
     return parse_args
+
+
+def _pretrain(original):
+    """Remember how the script called ``pretrain`` (its providers, its forward step), so that a
+    standby can run the same set-up and one iteration in its warmup sandbox."""
+
+    @functools.wraps(original)
+    def pretrain(*args, **kwargs):
+        _lm().pretrain_called(functools.partial(original, *args, **kwargs))
+        return original(*args, **kwargs)
+
+    return pretrain
 
 
 def _initialize_distributed(original):
@@ -243,8 +260,25 @@ def _get_batch_on_this_tp_rank(original):
 
 
 # ---------------------------------------------------------------------------------- the set
+_PRETRAIN_PARAMS = ("cfg_container", "train_valid_test_dataset_provider", "model_type", "forward_step_func",
+                    "model_provider", "process_non_loss_data_func", "get_embedding_ranks",
+                    "get_position_embedding_ranks", "non_loss_data_func", "store", "inprocess_call_wrapper",
+                    "p2p_communicator", "pg_collection", "skip_model_parallel_init")
+
+
 def _build() -> PatchSet:
     return PatchSet("megatron_lm", [
+        # both names a script may import it by (``from megatron.training import pretrain``)
+        Patch(
+            name="megatron_lm.training.pretrain",
+            module=f"{_MT}.training", attr="pretrain", replacement=_pretrain, params=_PRETRAIN_PARAMS,
+            requires=REQUIRES, source_contains=("initialize_megatron(", "setup_model_and_optimizer(", "train("),
+        ),
+        Patch(
+            name="megatron_lm.pretrain",
+            module=_MT, attr="pretrain", replacement=_pretrain, params=_PRETRAIN_PARAMS,
+            requires=REQUIRES, source_contains=("initialize_megatron(", "setup_model_and_optimizer(", "train("),
+        ),
         Patch(
             name="megatron_lm.arguments.parse_args",
             module=f"{_MT}.arguments", attr="parse_args", replacement=_parse_args,

@@ -95,11 +95,11 @@ def _plain(d: Path, extra=()):
     return losses, sums
 
 
-def _launch(run_dir: Path, standby: int, fault: str = "", during=None, restarts: int = 0, extra=()):
+def _launch(run_dir: Path, standby: int, fault: str = "", during=None, restarts: int = 0, extra=(), warmup=False):
     """``pitstop launch`` of the script (the bench's launcher); ``during(run_dir)`` runs while the job does."""
     try:
         code, err, events = launch(run_dir, STEPS, standby, fault=fault, during=during, restarts=restarts,
-                                   extra=tuple(extra), root=ROOT)
+                                   extra=tuple(extra), root=ROOT, warmup=warmup)
     except BaseException:
         print(_logs(run_dir)[-20000:])
         raise
@@ -137,6 +137,38 @@ def test_a_sigkill_in_the_backward_pass_is_replaced_bit_for_bit(plain, tmp_path)
     pids = _pids(logs)
     assert replaced[0]["new"].endswith(f":{pids[5]}") and not replaced[0]["old"].endswith(f":{pids[5]}"), \
         (pids, replaced)
+    assert losses == plain[0], logs[-10000:]
+    assert sums == plain[1], logs[-10000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_warmed_standby_replaces_a_rank_bit_for_bit(plain, tmp_path):
+    """Warmup on (the default): ranks 0 and 4 record Megatron-LM's set-up and iteration 1; the
+    standby runs the script's own ``pretrain`` in its sandbox as each (first and last stage),
+    answered from those records, and goes back to waiting with Megatron-LM's globals restored.
+    Then rank 5 dies in step 6's backward pass; the warmed standby takes its role bit for bit."""
+    from pitstop.runtime.faults import Fault
+
+    fault = Fault.kill(rank=5).at(step=6, phase="backward")
+    losses, sums, events, logs = _launch(tmp_path / "run", standby=1, fault=fault.spec(), warmup=True)
+    assert {e["cls"]: e["role"] for e in events if e["event"] == "recorded"} == {"first": 0, "last": 4}, events
+    warmed = [e for e in events if e["event"] == "warmed"]
+    assert len(warmed) == 1 and warmed[0]["ok"] and warmed[0]["stopped"] == "", warmed
+    classes = warmed[0]["classes"]
+    assert [c["cls"] for c in classes] == ["first", "last"], classes
+    for c in classes:
+        # the sandbox computed iteration 1 itself: every operation's own inputs equal the recorder's
+        assert c["ok"] and c["local_checked"] > 0 and c["local_equal"] == c["local_checked"], c
+        assert c["out"]["update_successful"] is True, c
+    assert classes[0]["out"]["grad_norm"] == classes[1]["out"]["grad_norm"], classes
+    # ... and its loss is the one Megatron-LM alone logged for iteration 1
+    assert f"{classes[1]['out']['loss']:.6E}" == plain[0][1], (classes[1], plain[0][1])
+    replaced = [e for e in events if e["event"] == "replaced"]
+    assert len(replaced) == 1 and replaced[0]["role"] == 5 and replaced[0]["warm"] is True, events
+    pids = _pids(logs)
+    assert replaced[0]["new"] == f"vm:{warmed[0]['pid']}" or replaced[0]["new"].endswith(f":{warmed[0]['pid']}")
+    assert replaced[0]["new"].endswith(f":{pids[5]}"), (pids, replaced)
     assert losses == plain[0], logs[-10000:]
     assert sums == plain[1], logs[-10000:]
 
