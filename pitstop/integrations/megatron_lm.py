@@ -65,6 +65,10 @@ class _State:
     dataloader = None
     scheduler = None
     pretrain = None       # the script's pretrain call, repeatable (a standby's warmup)
+    sums: Optional[dict] = None   # Megatron-LM's running loss sums (train's total_loss_dict)
+    logged = False        # training_log ran in this process
+    pending = None        # (step, loss_dict, skipped): a committed step training_log has not added yet
+    carried: Optional[dict] = None  # a joiner's predecessor's sums, for its first training_log
     samples_per_step = 0
     dataloader_type = "single"
 
@@ -102,7 +106,9 @@ class MegatronLMFramework(MegatronFramework):
 
     def extra_state(self, model, optimizer):
         sched = _State.scheduler
-        return {} if sched is None else {"lr_num_steps": int(sched.num_steps)}
+        extra = {} if sched is None else {"lr_num_steps": int(sched.num_steps)}
+        extra["loss_sums"] = loss_sums_after_log()
+        return extra
 
     def after_handover(self, model, optimizer):
         """Megatron-LM's ``train`` runs a process's first iteration with the forward pre-hooks
@@ -128,6 +134,8 @@ class MegatronLMFramework(MegatronFramework):
         return int(args.iteration)
 
     def set_extra_state(self, model, optimizer, extra):
+        if "loss_sums" in extra and joined_mid_run() and not _State.logged:
+            _State.carried = _as_tensors(_checked_sums(extra["loss_sums"]))
         sched = _State.scheduler
         if sched is None or "lr_num_steps" not in extra:
             return
@@ -267,6 +275,7 @@ def train_step(original: Callable, *a, **k):
             step = next(_State.steps)
         a[1] = s.data  # data_iterator: positioned at this step
         out = original(*a, **k)
+        _State.pending = (step, out[0], out[1])  # until training_log adds it to the running sums
         # no report: Megatron-LM logs the step itself (a float() of its loss here would sync the GPU)
         if s.commit(step):
             return out
@@ -331,6 +340,81 @@ def emulated_batch(batch: dict, call: dict) -> dict:
         s = m.shape[-1]
         m.copy_(torch.ones(s, s, dtype=torch.bool).triu(1).expand_as(m))  # True: masked (above the diagonal)
     return batch
+
+
+# ------------------------------------------------------------------- Megatron-LM's running loss sums
+#: ``training_log``'s keys for its counters (every other key of its sums is a loss).
+_ADV, _SKIP, _NAN = "advanced iterations", "skipped iterations", "nan iterations"
+
+
+def before_log(total: dict) -> None:
+    """A joiner's first ``training_log``: its sums start as its predecessor's were after the
+    last committed step, so the line that ends the interval averages the whole interval, as
+    the uninterrupted run's does."""
+    if _State.carried is not None and not _State.logged:
+        carried, _State.carried = _State.carried, None
+        total.clear()
+        total.update(carried)
+
+
+def _as_tensors(sums: dict) -> dict:
+    """Carried sums as ``training_log`` keeps them: counters as ints, losses as float32 [1]."""
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return {k: (v if k in (_ADV, _SKIP, _NAN) else torch.tensor([v], dtype=torch.float, device=dev))
+            for k, v in sums.items()}
+
+
+def after_log(total: dict) -> None:
+    _State.sums, _State.pending, _State.logged = total, None, True
+
+
+def loss_sums_after_log() -> dict:
+    """The running sums as they are once ``training_log`` has added every committed step: the
+    snapshot of a step is taken inside its ``train_step``, before Megatron-LM logs it, so that
+    step's addition (and reset, if its line is printed) is done here on a copy, with
+    ``training_log``'s own arithmetic (float32 tensor sums; the patch checks the lines)."""
+    import torch
+
+    # a joiner that has not logged yet goes on from what it was handed
+    total = dict((_State.sums if _State.logged else _State.carried) or {})
+    if _State.pending is not None:
+        from megatron.training import get_args
+
+        step, loss_dict, skipped = _State.pending
+        if not skipped:
+            total[_ADV] = total.get(_ADV, 0) + 1
+        elif _ADV not in total:
+            total[_ADV] = 0
+        total[_SKIP] = total.get(_SKIP, 0) + skipped
+        got_nan = False
+        for key in loss_dict:
+            if not skipped:
+                zero = torch.tensor([0.0], dtype=torch.float, device=loss_dict[key].device)
+                total[key] = total.get(key, zero) + loss_dict[key]
+            else:
+                value = loss_dict[key].float().sum().item()
+                got_nan = got_nan or value in (float("inf"), -float("inf")) or value != value
+        total[_NAN] = total.get(_NAN, 0) + int(got_nan)
+        # Megatron-LM does not reset after a process's first line (a joiner's is patched to reset)
+        first = not _State.logged and not joined_mid_run()
+        if step % get_args().log_interval == 0 and not first:
+            total = {k: (0 if k in (_ADV, _SKIP, _NAN) else torch.zeros(1)) for k in total}
+    # float32 sums are carried as the float64 that holds them exactly
+    return {k: (int(v) if k in (_ADV, _SKIP, _NAN) else float(v.float().sum())) for k, v in total.items()}
+
+
+def _checked_sums(d) -> dict:
+    """Running sums from a peer's snapshot: names to numbers, the counters whole and >= 0."""
+    if not isinstance(d, dict) or len(d) > 64:
+        raise PitstopError(f"Megatron-LM's running loss sums in a snapshot: expected a small mapping, got {type(d).__name__}")
+    for k, v in d.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise PitstopError(f"Megatron-LM's running loss sum {k!r}: {v!r} (expected a name and a number)")
+        if k in (_ADV, _SKIP, _NAN) and (not isinstance(v, int) or v < 0):
+            raise PitstopError(f"Megatron-LM's running {k!r} count {v!r}: expected an integer >= 0")
+    return dict(d)
 
 
 # ------------------------------------------------------------------------- the standby's warmup
@@ -472,6 +556,8 @@ class _Hooks:
     joined_mid_run = staticmethod(joined_mid_run)
     emulating = staticmethod(emulating)
     pretrain_called = staticmethod(pretrain_called)
+    before_log = staticmethod(before_log)
+    after_log = staticmethod(after_log)
 
     @staticmethod
     def join(args) -> None:

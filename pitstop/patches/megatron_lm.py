@@ -73,6 +73,14 @@ class Hooks:
         """``get_batch_on_this_tp_rank``'s batch under emulation (``call``: its arguments)."""
         raise NotImplementedError
 
+    def before_log(self, total_loss_dict: dict) -> None:
+        """``training_log`` is about to add an iteration to Megatron-LM's running sums."""
+        raise NotImplementedError
+
+    def after_log(self, total_loss_dict: dict) -> None:
+        """``training_log`` added it (and reset the sums if it printed a line)."""
+        raise NotImplementedError
+
     def pretrain_called(self, run) -> None:
         """The script called ``pretrain``; ``run()`` calls it again with the same arguments
         (a standby's sandboxed warmup runs the script's own set-up and first step that way)."""
@@ -229,13 +237,20 @@ def _training_log(original):
     reset its loss sum there (``should_reset = not is_first_iteration``), so the next line
     averages two iterations: right for a job that just started, wrong for a standby that took
     a role in the middle of one (the uninterrupted run logged neither). A joiner's first
-    iteration is logged as any other."""
+    iteration is logged as any other. Around the call the integration sees the running sums
+    (``total_loss_dict``, a local of ``train``): a joiner starts from its predecessor's, so that
+    with ``--log-interval`` > 1 its first line averages the whole interval."""
 
     @functools.wraps(original)
     def training_log(*args, **kwargs):
-        if kwargs.get("is_first_iteration") and _lm().joined_mid_run():
+        lm = _lm()
+        if kwargs.get("is_first_iteration") and lm.joined_mid_run():
             kwargs["is_first_iteration"] = False
-        return original(*args, **kwargs)
+        total = args[1] if len(args) > 1 else kwargs["total_loss_dict"]
+        lm.before_log(total)
+        out = original(*args, **kwargs)
+        lm.after_log(total)
+        return out
 
     return training_log
 
@@ -341,8 +356,16 @@ def _build() -> PatchSet:
                     "pg_collection", "is_first_iteration", "seqlen_squared_sum_in_batch", "total_real_tokens_in_batch"),
             requires=REQUIRES,
             # train() passes it by keyword; the flag only decides the reset and the off-interval line
+            # ... and the running sums' arithmetic, which the integration repeats for a snapshot
             source_contains=("should_reset = not is_first_iteration",
-                             "if iteration % args.log_interval == 0 or is_first_iteration:"),
+                             "if iteration % args.log_interval == 0 or is_first_iteration:",
+                             "total_loss_dict[advanced_iters_key] = total_loss_dict.get(advanced_iters_key, 0) + 1",
+                             "total_loss_dict[skipped_iters_key] = total_loss_dict.get(skipped_iters_key, 0) + skipped_iter",
+                             "total_loss_dict.get(key, torch.tensor([0.0], dtype=torch.float, device='cuda'))\n"
+                             "                + loss_dict[key]",
+                             "total_loss_dict[nan_iters_key] = total_loss_dict.get(nan_iters_key, 0) + int(got_nan)",
+                             "total_loss_dict[key] = torch.tensor([0.0], dtype=torch.float, device='cuda')",
+                             "total_loss_dict[advanced_iters_key] = 0"),
         ),
         Patch(
             name="megatron_lm.core.utils.get_batch_on_this_tp_rank",

@@ -74,11 +74,16 @@ def plain(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def plain_log5(tmp_path_factory):
+    return _plain(tmp_path_factory.mktemp("plain-log5"), ["--log-interval", "5"], every=5)
+
+
+@pytest.fixture(scope="module")
 def plain_bf16(tmp_path_factory):
     return _plain(tmp_path_factory.mktemp("plain-bf16"), ["--bf16"])
 
 
-def _plain(d: Path, extra=()):
+def _plain(d: Path, extra=(), every: int = 1):
     out = d / "out.log"
     # each rank's output to a file of its own (-r 3): eight processes writing one stream can
     # run two checksum lines together
@@ -90,7 +95,7 @@ def _plain(d: Path, extra=()):
         f.read_text(errors="replace") for f in sorted((d / "ranks").glob("**/std*.log")))
     assert proc.returncode == 0, _tail(text, 120)
     losses, sums = _parse(text)
-    assert sorted(losses) == list(range(1, STEPS + 1)), _tail(text, 120)
+    assert sorted(losses) == sorted({1, *range(every, STEPS + 1, every)}), _tail(text, 120)
     assert len(sums) == 8 and len(set(sums.values())) == 4, sums  # dp peers hold the same parameters
     return losses, sums
 
@@ -191,6 +196,27 @@ def test_bf16_a_sigkill_of_the_logging_rank_is_replaced_bit_for_bit(plain, plain
     assert plain_bf16[0] != plain[0]  # bf16 arithmetic is in effect
     assert losses == plain_bf16[0], logs[-10000:]
     assert sums == plain_bf16[1], logs[-10000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_at_log_interval_5_the_joiner_carries_megatron_lms_running_loss_sum(plain_log5, tmp_path):
+    """``--log-interval 5``: Megatron-LM prints the mean of the last five iterations, from a
+    running sum on the last pipeline rank. Rank 7, that rank, dies in step 8's backward pass;
+    the joiner starts from its dp peer's sums as they stood after step 7, so the line of
+    iteration 10 still averages iterations 6 to 10 and equals Megatron-LM's own."""
+    from pitstop.runtime.faults import Fault
+
+    fault = Fault.kill(rank=7).at(step=8, phase="backward")
+    losses, sums, events, logs = _launch(tmp_path / "run", standby=1, fault=fault.spec(),
+                                         extra=["--log-interval", "5"])
+    replaced = [e for e in events if e["event"] == "replaced"]
+    assert len(replaced) == 1 and replaced[0]["role"] == 7 and replaced[0]["step"] == 8, events
+    pids = _pids(logs)
+    assert replaced[0]["new"].endswith(f":{pids[7]}"), (pids, replaced)
+    assert sorted(losses) == [1, 5, 10, 15, 20], losses
+    assert losses == plain_log5[0], logs[-10000:]
+    assert sums == plain_log5[1], logs[-10000:]
 
 
 @pytest.mark.slow
