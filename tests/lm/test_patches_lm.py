@@ -8,6 +8,7 @@ import textwrap
 import typing
 
 import pytest
+import torch
 from importlib.metadata import version as _version
 from packaging.version import Version
 
@@ -116,3 +117,18 @@ def test_megatron_lm_parse_args_gets_the_pitstop_flags(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--pitstop-commit-interval", "1", "--num-layers", "2"])
     args = arguments.parse_args(lambda p: (p.add_argument("--mine", default="x"), p)[1])
     assert args.pitstop_commit_interval == 1 and args.mine == "x" and args.num_layers == 2
+
+
+def test_running_loss_sums_from_a_peer_are_validated():
+    """A snapshot's Megatron-LM running sums come over the network: junk is refused by name."""
+    from pitstop.errors import PitstopError
+    from pitstop.integrations.megatron_lm import _as_tensors, _checked_sums
+
+    good = {"advanced iterations": 2, "skipped iterations": 0, "nan iterations": 0, "lm loss": 11.0625}
+    assert _checked_sums(good) == good
+    t = _as_tensors(good)
+    assert t["advanced iterations"] == 2 and t["lm loss"].dtype == torch.float32 and float(t["lm loss"]) == 11.0625
+    for bad, what in [([1, 2], "small mapping"), ({"lm loss": "5"}, "'lm loss'"), ({"advanced iterations": -1}, "-1"),
+                      ({"nan iterations": 1.5}, "1.5"), ({"lm loss": True}, "True"), ({3: 1.0}, "3")]:
+        with pytest.raises(PitstopError, match=what):
+            _checked_sums(bad)
