@@ -139,16 +139,22 @@ def bench_recovery_megatron_lm(steps: int = 12, run_dir: str = "runs/bench-recov
     ckpt = base / "restart-ckpt"
     runs["restart"] = launch(base / "restart", steps, standby=0, fault=KILL.spec(), restarts=1,
                              extra=("--save", str(ckpt), "--load", str(ckpt), "--save-interval", "4"))
-    runs["unplanned"] = launch(base / "unplanned", steps, standby=1, fault=KILL.spec())
+    # the default: the standby warms up in the sandbox (held for after step 1) before the kill
+    runs["unplanned"] = launch(base / "unplanned", steps, standby=1, fault=KILL.spec(), warmup=True)
+    runs["unplanned_cold"] = launch(base / "unplanned-cold", steps, standby=1, fault=KILL.spec())
     runs["planned"] = launch(base / "planned", steps, standby=1, during=drain_at_once(2))
 
     ref_losses, ref_sums, ms = parse(logs_of(base / "reference"))
     steady = statistics.median(v for k, v in ms.items() if k > 2) / 1000.0
-    got = {k: parse(logs_of(base / k)) for k in ("unplanned", "planned")}
+    dirs = {"unplanned": "unplanned", "unplanned_cold": "unplanned-cold", "planned": "planned"}
+    got = {k: parse(logs_of(base / d)) for k, d in dirs.items()}
     rep, drn, rst = _first(runs["unplanned"][2], "replaced"), _first(runs["planned"][2], "drained"), \
         _first(runs["restart"][2], "restarted")
-    identical = bool(rep) and bool(drn) and all(runs[k][0] == 0 and got[k][0] == ref_losses and got[k][1] == ref_sums
-                                                for k in ("unplanned", "planned"))
+    cold = _first(runs["unplanned_cold"][2], "replaced")
+    warmed = _first(runs["unplanned"][2], "warmed")
+    # true only if each replacement and the drain happened, and each run matched the reference
+    identical = bool(rep) and bool(cold) and bool(drn) and all(
+        runs[k][0] == 0 and got[k][0] == ref_losses and got[k][1] == ref_sums for k in dirs)
     restart_sums = parse(logs_of(base / "restart", "logs/*-e1/*/*/*/std*.log"))[1]
     baseline_s, unplanned_s = rst.get("downtime_s"), rep.get("downtime_s")
     return {
@@ -159,9 +165,16 @@ def bench_recovery_megatron_lm(steps: int = 12, run_dir: str = "runs/bench-recov
         "steady_iteration_s": round(steady, 4),
         "ratio_unplanned": None if not (baseline_s and unplanned_s) else round(unplanned_s / baseline_s, 4),
         "loss_identical": identical,
+        "unplanned_warm": rep.get("warm"),
+        "unplanned_cold_s": cold.get("downtime_s"),
+        "warmup": {"ok": warmed.get("ok"), "standby_rss_bytes": warmed.get("rss_bytes"),
+                   "classes": [{k: c.get(k) for k in ("cls", "seconds", "ops", "local_checked", "local_equal")}
+                               for c in warmed.get("classes", [])]},
         "breakdown": {
             "unplanned": {k: rep.get(k) for k in ("detect_s", "plan_s", "groups_s", "state_s", "first_step_s",
                                                   "joiner_built_s", "joiner_attach_wait_s", "swapped", "stale_refs")},
+            "unplanned_cold": {k: cold.get(k) for k in ("detect_s", "groups_s", "state_s", "first_step_s",
+                                                        "joiner_built_s")},
             "planned": {k: drn.get(k) for k in ("step", "prepare_s", "pause_s", "groups_s", "state_s", "first_step_s",
                                                 "swapped", "stale_refs")},
             "restart": {"resume_step": _first(runs["restart"][2], "fallback").get("resume_step"),
@@ -169,7 +182,7 @@ def bench_recovery_megatron_lm(steps: int = 12, run_dir: str = "runs/bench-recov
         },
         "exit_codes": {k: v[0] for k, v in runs.items()},
         "job": "world 8 (tp2 pp2 dp2) Megatron-LM pretrain (examples/pretrain_gpt.py) on CPU/gloo, distributed optimizer, "
-               "overlapped grad reduce and param gather, dropout 0.1; 1 standby (cold); kill rank 5 at step 6 (backward); "
-               "drain rank 2; baseline: Megatron-LM's --save/--load restart from step 4",
+               "overlapped grad reduce and param gather, dropout 0.1; 1 standby, warmed in the sandbox (and, side by side, a cold one); "
+               "kill rank 5 at step 6 (backward); drain rank 2; baseline: Megatron-LM's --save/--load restart from step 4",
         "run_dir": str(base),
     }
