@@ -13,14 +13,18 @@ and ``pitstop launch ... -- pretrain_gpt.py <Megatron-LM flags> [--pitstop-* fla
 import installs the hooks of :mod:`pitstop.patches.megatron_lm` into Megatron-LM's own seams::
 
     Megatron-LM (megatron.training)                pitstop
+    training.pretrain                              remembered: a standby's warmup calls it again
     arguments.parse_args(extra_args_provider)      + --pitstop-* flags, composed with the user's
-    initialize._initialize_distributed             join the job first (a standby waits for a role)
+    initialize._initialize_distributed             join the job first (a standby warms up in the
+                                                   sandbox, then waits for a role)
     initialize.mpu.initialize_model_parallel       pitstop's groups (GroupRegistry), not Megatron's
     training.setup_model_and_optimizer             a Session over the model and optimizer built
     training.build_train_valid_test_data_iterators the session starts (a joiner takes its state);
                                                    args.iteration and the samples follow it
     training.train_step                            the iteration boundary: vote; a discarded step
                                                    is rolled back and redone inside the one call
+    training.training_log                          its running loss sums: a joiner starts from its
+                                                   predecessor's (exact lines at --log-interval > 1)
     RerunStateMachine._reduce_any                  no rerun of a step that will be discarded
 
 Megatron-LM's loop never sees a discarded step: ``train_step`` returns only a committed one, so
