@@ -405,8 +405,10 @@ def loss_sums_after_log() -> dict:
         first = not _State.logged and not joined_mid_run()
         if step % get_args().log_interval == 0 and not first:
             total = {k: (0 if k in (_ADV, _SKIP, _NAN) else torch.zeros(1)) for k in total}
-    # float32 sums are carried as the float64 that holds them exactly
-    return {k: (int(v) if k in (_ADV, _SKIP, _NAN) else float(v.float().sum())) for k, v in total.items()}
+    # float32 sums are carried as the float64 that holds them exactly; anything else that
+    # shares the dict (MoE and MTP metrics are added to it by their own trackers) is not carried
+    return {k: (int(v) if k in (_ADV, _SKIP, _NAN) else float(v.float().sum())) for k, v in total.items()
+            if k in (_ADV, _SKIP, _NAN) or (torch.is_tensor(v) and v.numel() == 1)}
 
 
 def _checked_sums(d) -> dict:

@@ -179,6 +179,7 @@ class Controller:
         self.lost: Dict[int, tuple] = {}               # role -> (proc, reason, seen): gathered for settle_s, then one failure
         self.lost_at = 0.0
         self.lost_detected = 0.0
+        self.lost_waiting = False                      # a failure waits for standbys still starting
         self.agent: Any = (RemoteAgents(self.ch, self.run_dir, spec.nodes.max, self.cfg.heartbeat_timeout_s,
                                         self._node_lost, confirm_s=self.confirm_s(), probe_s=self.probe_s(),
                                         link_host=self.host, on_refused=self._refused)
@@ -641,10 +642,39 @@ class Controller:
         # groups under the same store prefix, so a failure during a drain is an overlap as well
         return any(ch["kind"] in ("unplanned", "planned") for ch in self.pending) or self.draining is not None
 
+    #: How long a failure waits for standbys that were started but have not said hello yet.
+    STARTING_STANDBY_WAIT_S = 60.0
+
     def _settle(self) -> None:
         if self.lost and time.monotonic() - self.lost_at >= self.settle_s:
+            if self._standbys_starting(len(self.lost)):
+                return
             lost, self.lost = self.lost, {}
+            self.lost_waiting = False
             self._failure(lost, self.lost_detected)
+
+    def _standbys_starting(self, n: int) -> bool:
+        """Fewer than ``n`` standbys admitted, but enough of them started and still running: the
+        failure waits (bounded) for their hello instead of falling back. Under load a standby
+        process can take longer to start than the workers take to reach the step that fails:
+        seen on 2 busy cores, a DeepSpeed job lost rank 2 in step 2 with both of its standbys
+        still importing, and the job ended 'failed' although two standbys were on their way."""
+        if len(self.pool) >= n:
+            return False
+        starting = [e for e in self.expected.values() if e["standby"] and getattr(e["proc"], "running", True)]
+        if len(self.pool) + len(starting) < n:
+            return False
+        waited = time.monotonic() - self.lost_at
+        if waited > self.STARTING_STANDBY_WAIT_S:
+            self.events.write("failure-waited", roles=sorted(self.lost), waited_s=round(waited, 2),
+                              reason=f"{len(starting)} standby(s) started but not admitted within "
+                                     f"{self.STARTING_STANDBY_WAIT_S:.0f} s")
+            return False
+        if not self.lost_waiting:
+            self.lost_waiting = True
+            self.events.write("failure-waiting", roles=sorted(self.lost), standbys=len(self.pool),
+                              starting=len(starting), reason="waiting for standbys that are still starting")
+        return True
 
     def _failure(self, lost: Dict[int, tuple], t_detect: float) -> None:
         roles = sorted(lost)
