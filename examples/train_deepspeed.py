@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out["step_time_s"] = round(time.perf_counter() - ts, 4)
         for done, o in final if rank == 0 else ():
             line = json.dumps({"step": done, "loss": o["loss"], "loss_hex": o["loss"].hex(),
-                               "step_time_s": o["step_time_s"], "generation": o["generation"], "pid": os.getpid()})
+                               "step_time_s": o.get("step_time_s"), "generation": o["generation"], "pid": os.getpid()})
             print(line, flush=True)
             if args.loss_file:
                 with open(args.loss_file, "a") as f:

@@ -583,7 +583,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
                 "loss": o["loss"],
                 "loss_hex": float.hex(o["loss"]),
                 "grad_norm": o["grad_norm"],
-                "step_time_s": o["step_time_s"],
+                "step_time_s": o.get("step_time_s"),
                 "generation": o["generation"],
                 "pid": os.getpid(),
             })

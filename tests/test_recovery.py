@@ -114,17 +114,34 @@ def test_a_kill_between_votes_discards_the_window_and_redoes_it_bitwise(referenc
 
 
 def test_a_drain_switches_at_a_vote_with_a_commit_interval(reference, tmp_path):
+    """Role 4 logs the losses. The leaver hands over at the vote and leaves before its loop
+    sees the window the vote made final: its joiner logs that window, each step once."""
     def during(run_dir):
         wait_for_event(run_dir, "recorded", n=2)
-        request_drain(run_dir, rank=2)
+        request_drain(run_dir, rank=4)
 
     res = run_job(tmp_path / "run", STEPS, standby=1, during=during,
                   launch_args=["--hold-for-warm", "30", "--commit-interval", "4"])
     assert_same_run(res, reference)
     d = res.of("drained")
-    assert len(d) == 1 and d[0]["role"] == 2, res.tails()
+    assert len(d) == 1 and d[0]["role"] == 4, res.tails()
     assert d[0]["step"] - 1 in (1, 4, 8), d  # the joiner's first step follows a vote
     assert _logged_steps(res) == list(range(1, STEPS + 1)), _logged_steps(res)
+
+
+def test_a_rank_killed_after_its_step_is_final_has_its_joiner_log_it(reference, tmp_path):
+    """Role 4 logs the losses and dies after the vote made step 4 final, before its loop got
+    step 4's report back. The report travelled with its state to the buddy: the joiner hands
+    step 4 back at its first commit, and every step is logged once. (A CI run lost step 4's
+    line this way when a SIGKILL of a whole machine landed in that window.)"""
+    fault = Fault.kill(rank=4).at(step=4, phase="committed")
+    res = run_job(tmp_path / "run", STEPS, standby=1, faults=fault.spec())
+    assert_same_run(res, reference)
+    rep = res.of("replaced")
+    assert len(rep) == 1 and rep[0]["role"] == 4 and rep[0]["step"] == 5, res.tails()
+    assert _logged_steps(res) == list(range(1, STEPS + 1)), _logged_steps(res)
+    logs = "".join(p.read_text(errors="replace") for p in res.run_dir.glob("logs/*/*/attempt_0/0/stderr.log"))
+    assert logs.count("hands back step(s) [4] at its first commit") == 1, res.tails()
 
 
 #: Megatron-LM's usual precision and regularisation: bf16 parameters (Float16Module) with fp32

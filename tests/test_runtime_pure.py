@@ -111,7 +111,60 @@ def test_bad_fault_specs_are_refused(text, message):
 
 
 def test_phases_are_in_step_order():
-    assert PHASES == ("forward", "backward", "grad-reduce", "optimizer", "param-gather")
+    assert PHASES == ("forward", "backward", "grad-reduce", "optimizer", "param-gather", "committed")
+
+
+# ----------------------------------------------------------------------------- commit reports
+def _snap_with(reports, step: int = 4):
+    import torch
+
+    from pitstop.runtime import state
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    return state.take(opt, step, reports=reports)
+
+
+def test_commit_reports_travel_in_the_snapshot_and_come_back_equal():
+    """What a joiner hands back is what the failed process was given, JSON floats exactly."""
+    import torch
+
+    from pitstop.runtime import state
+
+    loss = 4.876689910888672
+    reports = [(3, {"loss": loss, "grad_norm": 1.5561331157376, "ok": True}), (4, {"loss": 0.1 + 0.2, "t": torch.arange(3)})]
+    snap = _snap_with(state.encode_reports(reports))
+    wire = state.Snapshot.from_wire(snap.meta_bytes(), snap.data)
+    back = state.reports_of(wire)
+    assert [s for s, _ in back] == [3, 4]
+    assert float.hex(back[0][1]["loss"]) == float.hex(loss) and back[1][1]["loss"] == 0.1 + 0.2
+    assert back[1][1]["t"].tolist() == [0, 1, 2]
+    assert state.reports_of(_snap_with(None)) == []
+    # the reports never reach the RNG streams
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    assert state.restore(opt, wire) == {}
+
+
+def test_a_report_that_cannot_cross_the_wire_is_refused_by_type():
+    from pitstop.errors import RecoveryError
+    from pitstop.runtime import state
+
+    with pytest.raises(RecoveryError, match="type object"):
+        state.encode_reports([(1, {"loss": object()})])
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("nope", "expected a list"),
+    ([[1]], "expected \\[step, report\\]"),
+    ([[-1, 0.5]], "expected \\[step, report\\]"),
+    ([[5, 0.5]], "step 5: expected steps ascending and at most the snapshot's step 4"),
+    ([[3, 0.5], [3, 0.6]], "step 3: expected steps ascending"),
+])
+def test_forged_reports_are_refused_with_the_value(bad, message):
+    from pitstop.errors import RecoveryError
+    from pitstop.runtime import state
+
+    with pytest.raises(RecoveryError, match=message):
+        state.reports_of(_snap_with(bad))
 
 
 # ----------------------------------------------------------------------------- token

@@ -231,7 +231,8 @@ def controller_restart(run_dir: Path, endpoint: str, steps: int, kill_role: int,
 
 def _steady(res) -> Optional[float]:
     """The median committed step time of a run (steps 3 and later: step 1 builds, 2 warms)."""
-    xs = [float(d["step_time_s"]) for d in _loss_lines(res.run_dir) if d["step"] >= 3]
+    # a joiner's hand-back of steps its role's previous process made final carries no time of its own
+    xs = [float(d["step_time_s"]) for d in _loss_lines(res.run_dir) if d["step"] >= 3 and d.get("step_time_s") is not None]
     return statistics.median(xs) if xs else None
 
 

@@ -61,7 +61,7 @@ def check_intervals(intervals: Sequence[int]) -> None:
 
 def _steady(loss_file: Path) -> float:
     lines = [json.loads(line) for line in loss_file.read_text().splitlines()]
-    times = [d["step_time_s"] for d in lines if d["step"] > SKIP]
+    times = [d["step_time_s"] for d in lines if d["step"] > SKIP and d.get("step_time_s") is not None]
     if len(times) < 5:
         raise RuntimeError(f"{loss_file}: {len(times)} steady steps logged, expected at least 5")
     return statistics.median(times)

@@ -168,7 +168,7 @@ def bench_faults(steps: int = 10, run_dir: str = "runs/bench-faults", layout: st
     standbys have replayed the first-, middle- and last-stage records before the first kill
     (``--hold-for-warm``); a cell also records whether the standby that took it was warm.
     """
-    from pitstop.runtime.faults import PHASES, Faults
+    from pitstop.runtime.faults import STEP_PHASES, Faults
 
     if layout not in ("tp2pp2", "pp3"):
         raise ValueError(f"layout {layout!r}: expected tp2pp2 or pp3")
@@ -180,7 +180,7 @@ def bench_faults(steps: int = 10, run_dir: str = "runs/bench-faults", layout: st
     if ref.code != 0:
         raise RuntimeError(f"the reference run failed:\n{ref.tails()}")
     cells = []
-    for phase in PHASES:
+    for phase in STEP_PHASES:
         faults = Faults(Fault.kill(rank).at(step=2 + 2 * i, phase=phase) for i, rank in enumerate(roles.values()))
         args = ["--heartbeat-timeout", "10"]  # 10-12 processes on few cores: no false hangs
         res = run_job(base / phase, steps, standby=len(roles), faults=faults.spec(),

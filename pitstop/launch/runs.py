@@ -89,7 +89,9 @@ def collect(run_dir: Path, code: int) -> JobResult:
     if lf.exists():
         for line in lf.read_text().splitlines():
             d = json.loads(line)
-            res.losses[d["step"]] = d["loss_hex"]
+            seen = res.losses.setdefault(d["step"], d["loss_hex"])
+            if seen != d["loss_hex"]:  # a step logged twice (a joiner's hand-back) must agree
+                res.losses[d["step"]] = f"logged twice, differently: {seen} then {d['loss_hex']}"
     ev = run_dir / EVENTS
     if ev.exists():
         res.events = [json.loads(l) for l in ev.read_text().splitlines() if l.strip()]

@@ -23,7 +23,10 @@ ENV_FAULT = "PITSTOP_FAULT"
 
 #: Phases of one training step, in order. ``param-gather`` is the distributed
 #: optimizer's all-gather of updated parameters, inside ``optimizer.step()``.
-PHASES = ("forward", "backward", "grad-reduce", "optimizer", "param-gather")
+STEP_PHASES = ("forward", "backward", "grad-reduce", "optimizer", "param-gather")
+#: ``committed``: at the boundary, after the vote made the step final and before ``commit``
+#: hands its report back: the process dies with a final step it never logged.
+PHASES = STEP_PHASES + ("committed",)
 _SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM}
 
 

@@ -115,6 +115,11 @@ class Session:
         """Steps since the last vote (``commit_interval`` > 1): run, not yet committed."""
         self._held: List[Tuple[int, Any]] = []
         """Their (step, report) pairs, handed back by the vote that commits them."""
+        self._redeliver: List[Tuple[int, Any]] = []
+        """A joiner's: the steps its role's previous process made final at its last vote, handed
+        back again at this process's first commit (that process may have died before it
+        logged them: at least once across a failure, exactly once across a drain)."""
+        self._reports_ok = True
         self._poison_told = False
         self._redo_from: Optional[int] = None
         self._new_gen = self.m.joiner
@@ -133,6 +138,7 @@ class Session:
         self._switch_due: Optional[int] = None
         faults = Fault.from_env() if (self.m.mode == "worker" and self.m.epoch == 0) else []
         self.faults = [f for f in faults if f.rank == self.rank]
+        self._fire: Optional[Callable[[str], None]] = None
         if self.faults:
             self._arm_faults()
         self._end_watch: Optional[worker.KeyWatch] = None
@@ -279,8 +285,9 @@ class Session:
         if not self.cfg.votes_at(step, self._last):
             return self._pass(step, report, t0, iter_s)
         recording = sandbox.recording()
+        final = self._redeliver + self._held + [(step, report)]
         with sandbox.paused():
-            pending, received = self._take_and_exchange(step)
+            pending, received = self._take_and_exchange(step, final)
         poisoned = self.fence.poisoned
         self.fence.armed = False
         verdict = self._vote(step, poisoned)
@@ -311,7 +318,9 @@ class Session:
                 self._hold_for_warm()
             memory.boundary()
             self._committed = True
-            final, self._held = self._held + [(step, report)], []
+            self._held, self._redeliver = [], []
+            if self._fire is not None:
+                self._fire("committed")
             return final
         self._info("step discarded (%s)", verdict[:120])
         self._recover(step)
@@ -342,10 +351,12 @@ class Session:
         return []
 
     # ------------------------------------------------------------------ boundary pieces
-    def _take_and_exchange(self, step: int):
-        """Pack this rank's state (rollback point) and swap it with the buddy ring."""
+    def _take_and_exchange(self, step: int, reports: Sequence[Tuple[int, Any]] = ()):
+        """Pack this rank's state (rollback point), with the reports of the steps it makes
+        final, and swap it with the buddy ring."""
         seq = pgmod.world_group().seq
-        snap = state.take(self.optimizer, step, seq, out=self._spare, extra=self.fw.extra_state(self.model, self.optimizer))
+        snap = state.take(self.optimizer, step, seq, out=self._spare, extra=self.fw.extra_state(self.model, self.optimizer),
+                          reports=self._wire_reports(reports))
         ranks, group = self._shard_group()
         if not self.cfg.buddy or len(ranks) == 1:
             return snap, None
@@ -359,6 +370,27 @@ class Session:
             lambda: self.fence.poisoned)
         self.buddy_s += time.perf_counter() - t0
         return snap, (None if self.fence.poisoned else got)
+
+    def _wire_reports(self, reports: Sequence[Tuple[int, Any]]) -> Optional[list]:
+        if not reports or not self._reports_ok:
+            return None
+        try:
+            return state.encode_reports(reports)
+        except RecoveryError as exc:  # said once; training goes on, a joiner just hands nothing back
+            self._reports_ok = False
+            log.warning("%s commit reports are not carried to a joiner: %s", self.prefix(), exc)
+            return None
+
+    def _take_redelivery(self, snap: state.Snapshot) -> None:
+        """A joiner: the steps its role's previous process made final and may not have logged."""
+        try:
+            self._redeliver = state.reports_of(snap)
+        except RecoveryError as exc:
+            log.warning("%s refused the reports carried in the role's state: %s", self.prefix(), exc)
+            self._redeliver = []
+        if self._redeliver:
+            self._info("hands back step(s) %s at its first commit: the role's previous process made them final "
+                       "and may not have logged them", [s for s, _ in self._redeliver])
 
     @staticmethod
     def _sendrecv(out: torch.Tensor, inp: torch.Tensor, dst: int, src: int, group) -> None:
@@ -682,6 +714,7 @@ class Session:
         snap = state.recv_snapshot(nxt, group)
         self.buddy = state.recv_snapshot(prv, group) if self.cfg.buddy else None
         self._restore(snap)
+        self._take_redelivery(snap)
         self.snap = snap
         self._attach_world(snap.world_seq)
         t_state = time.perf_counter()
@@ -719,6 +752,7 @@ class Session:
         for buf in self.fw.param_buffers(self.model, self.optimizer):
             state.pg_recv(pair, buf, 0)
         self.fw.after_handover(self.model, self.optimizer)
+        self._take_redelivery(snap)
         self.snap = snap
         self._attach_world(snap.world_seq)
         self.first_step = int(step_s) + 1
@@ -746,6 +780,7 @@ class Session:
                     self._info("fault injector: signal %s in phase %s", f.sig, phase)
                     f.fire()
 
+        self._fire = fire
         module.register_forward_pre_hook(lambda *_: fire("forward"))
         p = first_trainable(module)
         p.register_hook(lambda g: (fire("backward"), g)[1])

@@ -149,11 +149,15 @@ class Snapshot:
 
 
 def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] = None,
-         extra: Optional[Dict[str, Any]] = None) -> Snapshot:
+         extra: Optional[Dict[str, Any]] = None, reports: Optional[list] = None) -> Snapshot:
     """Pack this rank's shard and RNG streams (into ``out`` when its size fits, to avoid allocating).
 
-    ``extra``: small picklable state of the training library (e.g. DeepSpeed's step
-    counters), carried with the RNG streams; :func:`restore` returns it."""
+    ``extra``: small state of the training library (e.g. DeepSpeed's step counters), carried
+    with the RNG streams in JSON form; :func:`restore` returns it.
+
+    ``reports``: :func:`encode_reports` of the steps this boundary makes final, with what the
+    script gave for each. A joiner that takes this state over hands them back
+    (:func:`reports_of`): the process it replaces may have died before it logged them."""
     items = _shard_items(optimizer)
     layout = [(n, tuple(t.shape), str(t.dtype).replace("torch.", ""), key) for n, t, _, key in items]
     flats = [t.detach().reshape(-1).view(torch.uint8) for _, t, _, _ in items]
@@ -165,7 +169,33 @@ def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] =
     rng = rng_state()
     if extra:
         rng["extra"] = extra
-    return Snapshot(step, layout, out, json.dumps(encode_value(rng)).encode(), world_seq)
+    enc = encode_value(rng)
+    if reports:
+        enc["reports"] = reports
+    return Snapshot(step, layout, out, json.dumps(enc).encode(), world_seq)
+
+
+def encode_reports(reports: Sequence[Tuple[int, Any]]) -> list:
+    """``[(step, report)]`` in the snapshot's JSON form. A report that cannot cross the wire
+    (not JSON, a tensor or an array) raises :class:`RecoveryError`."""
+    return [[int(s), encode_value(r)] for s, r in reports]
+
+
+def reports_of(snap: Snapshot) -> List[Tuple[int, Any]]:
+    """The (step, report) pairs a snapshot carries, validated: steps are integers, ascending,
+    none after the snapshot's own step. Anything else is a :class:`RecoveryError`."""
+    raw = decode_rng(snap.rng).get("reports", [])
+    if not isinstance(raw, list):
+        raise RecoveryError(f"snapshot reports: {type(raw).__name__}, expected a list of [step, report]")
+    out: List[Tuple[int, Any]] = []
+    for e in raw:
+        if not (isinstance(e, list) and len(e) == 2 and _is_nat(e[0])):
+            raise RecoveryError(f"snapshot report entry {str(e)[:80]}: expected [step, report]")
+        if e[0] > snap.step or (out and e[0] <= out[-1][0]):
+            raise RecoveryError(f"snapshot report for step {e[0]}: expected steps ascending and at most the "
+                                f"snapshot's step {snap.step} (after {out[-1][0] if out else 'none'})")
+        out.append((e[0], e[1]))
+    return out
 
 
 def restore(optimizer, snap: Snapshot) -> Dict[str, Any]:
@@ -201,6 +231,7 @@ def restore(optimizer, snap: Snapshot) -> Dict[str, Any]:
     if offset != snap.data.numel():
         raise RecoveryError(f"snapshot holds {snap.data.numel()} bytes but its layout describes {offset}")
     rng = decode_rng(snap.rng)
+    rng.pop("reports", None)
     extra = rng.pop("extra", {})
     set_rng_state(rng)
     return extra
