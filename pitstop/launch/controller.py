@@ -138,6 +138,20 @@ class Member:
     last_beat: float = field(default_factory=time.monotonic)
 
 
+def starting_wait(admitted: int, starting: int, needed: int, waited_s: float, limit_s: float) -> str:
+    """Does a failure that needs ``needed`` standbys wait for standbys still starting?
+
+    ``"no"``: enough are admitted, or too few are admitted and coming together; ``"wait"``:
+    enough would be there once the ``starting`` ones said hello, and the wait is under
+    ``limit_s``; ``"waited"``: they were awaited ``limit_s`` and did not come. Under load a
+    standby process can take longer to start than the workers take to reach the step that
+    fails: seen on 2 busy cores, a job lost rank 2 in step 2 with both of its standbys still
+    importing, and ended 'failed' although two standbys were on their way."""
+    if admitted >= needed or admitted + starting < needed:
+        return "no"
+    return "waited" if waited_s > limit_s else "wait"
+
+
 class Controller:
     """Runs one job to its end (see the module docstring)."""
 
@@ -655,26 +669,19 @@ class Controller:
 
     def _standbys_starting(self, n: int) -> bool:
         """Fewer than ``n`` standbys admitted, but enough of them started and still running: the
-        failure waits (bounded) for their hello instead of falling back. Under load a standby
-        process can take longer to start than the workers take to reach the step that fails:
-        seen on 2 busy cores, a DeepSpeed job lost rank 2 in step 2 with both of its standbys
-        still importing, and the job ended 'failed' although two standbys were on their way."""
-        if len(self.pool) >= n:
-            return False
-        starting = [e for e in self.expected.values() if e["standby"] and getattr(e["proc"], "running", True)]
-        if len(self.pool) + len(starting) < n:
-            return False
+        failure waits (bounded) for their hello instead of falling back (:func:`starting_wait`)."""
+        starting = sum(1 for e in self.expected.values() if e["standby"] and getattr(e["proc"], "running", True))
         waited = time.monotonic() - self.lost_at
-        if waited > self.STARTING_STANDBY_WAIT_S:
+        verdict = starting_wait(len(self.pool), starting, n, waited, self.STARTING_STANDBY_WAIT_S)
+        if verdict == "waited":
             self.events.write("failure-waited", roles=sorted(self.lost), waited_s=round(waited, 2),
-                              reason=f"{len(starting)} standby(s) started but not admitted within "
+                              reason=f"{starting} standby(s) started but not admitted within "
                                      f"{self.STARTING_STANDBY_WAIT_S:.0f} s")
-            return False
-        if not self.lost_waiting:
+        elif verdict == "wait" and not self.lost_waiting:
             self.lost_waiting = True
             self.events.write("failure-waiting", roles=sorted(self.lost), standbys=len(self.pool),
-                              starting=len(starting), reason="waiting for standbys that are still starting")
-        return True
+                              starting=starting, reason="waiting for standbys that are still starting")
+        return verdict == "wait"
 
     def _failure(self, lost: Dict[int, tuple], t_detect: float) -> None:
         roles = sorted(lost)
