@@ -516,3 +516,79 @@ def test_a_first_engine_build_after_preimport_imports_almost_nothing():
     assert warm["preimported"] == ["torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"], warm
     assert cold["new_modules"] > 300, cold  # the premise: the lazy imports are many
     assert warm["new_modules"] < 50, (warm, cold)
+
+
+_TRACE = r"""
+import json, os, sys
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0")
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import train_deepspeed as T
+from pitstop.errors import RecoveryError
+from pitstop.integrations.deepspeed import set_zero3_trace, zero3_trace
+from pitstop.patches import deepspeed_cpu
+import deepspeed
+import deepspeed.runtime.zero.partitioned_param_coordinator as ppc
+deepspeed_cpu.apply()
+store = dist.TCPStore("127.0.0.1", 0, 1, True)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+args = T.parse_args(["--zero-stage", "3"])
+model = T.build_model(args)
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=T.ds_config(args))
+off = engine.optimizer.parameter_offload
+coord = off.get_param_coordinator()
+checks = [0]
+real = ppc.assert_ints_same_as_other_ranks
+def counted(ints):
+    checks[0] += 1
+    return real(ints)
+ppc.assert_ints_same_as_other_ranks = counted  # the trace's recording collectives, counted
+mode, arg = sys.argv[2], sys.argv[3]
+out = {}
+if mode == "load":
+    bad = json.loads(arg)
+    bad_trace = dict(bad, modules=bad["modules"] + [9999])
+    try:
+        set_zero3_trace(coord, off.module, bad_trace)
+    except RecoveryError as exc:
+        out["refused"] = str(exc)
+    out["mode_after_refusal"] = zero3_trace(coord, off.module)["mode"]
+    set_zero3_trace(coord, off.module, json.loads(json.dumps(bad)))
+steps = int(arg) if mode == "dump" else 1
+for step in range(1, steps + 1):
+    T.train_step(engine, T.make_batch(args, step, 0))
+out.update(trace=zero3_trace(coord, off.module), checks=checks[0])
+print(json.dumps(out))
+"""
+
+
+def test_zero3s_trace_is_handed_over_by_position_and_spares_the_recording():
+    """A joiner used to start with an empty ZeRO-3 trace, so every rank forgot its own and all
+    recorded again for two steps (no prefetching, and DeepSpeed's recording checks are world
+    collectives). Now the trace travels with the state. Run in separate processes as a joiner
+    is: a trace taken after 3 steps (complete) put into a fresh engine keeps it complete through
+    its next step with no recording check; one taken after step 1 (recording) completes at the
+    next step into the same trace a 3-step run has. A trace that names a module the model does
+    not have is refused and leaves the coordinator as it was."""
+    import subprocess
+
+    def run(*argv):
+        out = subprocess.run([sys.executable, "-c", _TRACE, str(ROOT / "examples"), *argv], cwd=ROOT,
+                             capture_output=True, text=True, timeout=240, env={**os.environ, **ENV})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    fresh = run("dump", "1")
+    assert fresh["trace"]["mode"] == "record" and fresh["checks"] == 1, fresh  # the counter sees DeepSpeed's check
+    full = run("dump", "3")
+    assert full["trace"]["mode"] == "complete" and full["checks"] == 4, full
+    assert len(full["trace"]["params"]) > 0 and len(full["trace"]["modules"]) > 2, full
+
+    joined = run("load", json.dumps(full["trace"]))
+    assert joined["checks"] == 0, joined  # prefetching from the first step, no recording
+    assert joined["trace"] == full["trace"], joined
+    assert "9999" in joined["refused"] and joined["mode_after_refusal"] == "invalid", joined
+
+    recording = run("load", json.dumps(fresh["trace"]))
+    assert recording["checks"] == 3 and recording["trace"] == full["trace"], recording

@@ -216,6 +216,110 @@ def destroy() -> None:
         reg.destroy()
 
 
+# ------------------------------------------------------------------------ ZeRO-3's trace
+#: DeepSpeed 0.19's ``PartitionedParameterCoordinator`` keeps its trace in name-mangled private
+#: fields. They are read and written here, nowhere else; ``check_zero3_trace_fields`` fails loudly
+#: (and a test with it) when an upgrade renames them.
+_COORD = "_PartitionedParameterCoordinator__"
+ZERO3_TRACE_FIELDS = ("trace_mode", "submodule_order", "param_order", "step_id_module_fetched_for")
+
+
+def check_zero3_trace_fields(coord) -> None:
+    missing = [f for f in ZERO3_TRACE_FIELDS if not hasattr(coord, _COORD + f)]
+    if missing or not hasattr(type(coord), _COORD + "ParamInTrace"):
+        raise RecoveryError(f"DeepSpeed's parameter coordinator ({type(coord).__module__}) lacks the trace fields "
+                            f"{missing or ['ParamInTrace']}: this DeepSpeed is not the one pitstop's ZeRO-3 trace "
+                            f"hand-over was written for (0.19)")
+
+
+def _positions(module) -> Tuple[Dict[int, int], Dict[int, int]]:
+    """id(submodule) -> its index in ``module.modules()``, id(param) -> its index in ``parameters()``.
+
+    The trace travels by these positions, which every process building the same model agrees
+    on, not by DeepSpeed's ``ds_id``: those come from process-wide counters, so a process that
+    built another engine first (a sandbox) numbers the same model differently."""
+    return ({id(m): i for i, m in enumerate(module.modules())}, {id(p): i for i, p in enumerate(module.parameters())})
+
+
+def zero3_trace(coord, module) -> Dict[str, Any]:
+    """The coordinator's trace in JSON form, by module and parameter position: its mode; the
+    modules recorded so far (``record``, with the steps each was fetched at, by ``ds_id``'s
+    place) or the frozen module and parameter orders (``complete``)."""
+    check_zero3_trace_fields(coord)
+    if coord.is_invalid_trace():
+        return {"mode": "invalid"}
+    get = lambda name: getattr(coord, _COORD + name)  # noqa: E731
+    mpos, ppos = _positions(module)
+    out: Dict[str, Any] = {"mode": "complete" if coord.is_complete_trace() else "record",
+                           "modules": [mpos[id(m)] for m in get("submodule_order")]}
+    if out["mode"] == "complete":
+        out["params"] = [[ppos[id(p.param)], int(p.step_id_last_used_at)] for p in get("param_order")]
+    else:
+        by_ds_id = {int(m.ds_id): mpos[id(m)] for m in module.modules() if hasattr(m, "ds_id")}
+        out["fetched_at"] = {str(by_ds_id[k]): [int(x) for x in v] for k, v in get("step_id_module_fetched_for").items() if v}
+    return out
+
+
+def set_zero3_trace(coord, module, trace: Any) -> None:
+    """Put ``trace`` (from :func:`zero3_trace`, maybe a peer's) into ``coord``, replacing what
+    it has; positions are mapped to this process's own modules and parameters. Every rank of the
+    new generation does this from the same snapshot step, so all agree on the mode: in
+    ``record`` the next forward completes the trace on every rank together (its recording
+    collectives), in ``complete`` nobody records and every rank prefetches."""
+    import collections
+
+    from deepspeed.runtime.zero.partitioned_param_coordinator import ZeRoTraceMode
+
+    check_zero3_trace_fields(coord)
+    mode = trace.get("mode") if isinstance(trace, dict) else None
+    if mode not in ("invalid", "record", "complete"):
+        raise RecoveryError(f"ZeRO-3 trace mode {mode!r}: expected invalid, record or complete")
+    mods = dict(enumerate(module.modules()))
+    params = dict(enumerate(module.parameters()))
+
+    def ids(key: str, raw: Any, table: Dict[int, Any], what: str) -> List[int]:
+        if not (isinstance(raw, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in raw)):
+            raise RecoveryError(f"ZeRO-3 trace {key}: expected a list of ids, got {str(raw)[:80]}")
+        unknown = sorted(set(raw) - set(table))
+        if unknown:
+            raise RecoveryError(f"ZeRO-3 trace names {what} {unknown[:5]} that this model does not have "
+                                f"(it has {len(table)}): the joiner built a different model")
+        return raw
+
+    # everything is checked before anything changes: a refused trace leaves the coordinator as it was
+    order: List[Any] = []
+    table: Any = collections.defaultdict(collections.deque)
+    in_order: List[Tuple[Any, int]] = []
+    if mode != "invalid":
+        order = [mods[i] for i in ids("modules", trace.get("modules"), mods, "modules")]
+    if mode == "record":
+        fetched = trace.get("fetched_at")
+        if not (isinstance(fetched, dict) and all(isinstance(v, list) for v in fetched.values())):
+            raise RecoveryError(f"ZeRO-3 trace fetched_at: expected {{module id: [step ids]}}, got {str(fetched)[:80]}")
+        for k, v in fetched.items():
+            if not (k.isdigit() and int(k) in mods and all(isinstance(x, int) for x in v)):
+                raise RecoveryError(f"ZeRO-3 trace fetched_at[{k!r}]: expected a module id and step ids")
+            table[int(mods[int(k)].ds_id)].extend(v)
+    elif mode == "complete":
+        pairs = trace.get("params")
+        if not (isinstance(pairs, list) and all(isinstance(e, list) and len(e) == 2 and isinstance(e[1], int)
+                                                for e in pairs)):
+            raise RecoveryError(f"ZeRO-3 trace params: expected [[param id, step id], ...], got {str(pairs)[:80]}")
+        in_order = [(params[i], s) for i, s in zip(ids("params", [e[0] for e in pairs], params, "parameters"),
+                                                   (e[1] for e in pairs))]
+    if not coord.is_invalid_trace():
+        coord._invalidate_trace()  # clears the trace, and gathers in flight from a discarded step
+    if mode == "record":
+        setattr(coord, _COORD + "submodule_order", order)
+        setattr(coord, _COORD + "step_id_module_fetched_for", table)
+        setattr(coord, _COORD + "trace_mode", ZeRoTraceMode.RECORD)
+    elif mode == "complete":
+        in_trace = getattr(type(coord), _COORD + "ParamInTrace")
+        setattr(coord, _COORD + "submodule_order", tuple(order))
+        setattr(coord, _COORD + "param_order", tuple(in_trace(param=p, step_id_last_used_at=s) for p, s in in_order))
+        setattr(coord, _COORD + "trace_mode", ZeRoTraceMode.COMPLETE)
+
+
 # ------------------------------------------------------------------------ the loss scaler
 #: What a DeepSpeed loss scaler changes while it trains: ``DynamicLossScaler`` (ZeRO 1/2 with fp16) has all
 #: four, ``LossScaleConfig`` (the fp16/bf16 optimizers of ZeRO 0) the first three, the static ``LossScaler``
@@ -310,6 +414,9 @@ class DeepSpeedFramework(Framework):
         if sched is not None and hasattr(sched, "state_dict"):
             out["lr_scheduler"] = sched.state_dict()
         out["loss_scaler"] = loss_scaler_state(optimizer)
+        if _is_zero3(optimizer):
+            off = optimizer.parameter_offload
+            out["zero3_trace"] = zero3_trace(off.get_param_coordinator(), off.module)
         return out
 
     def set_extra_state(self, model: Sequence[Any], optimizer, extra: Dict[str, Any]) -> None:
@@ -321,6 +428,9 @@ class DeepSpeedFramework(Framework):
             e.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         if "loss_scaler" in extra:
             set_loss_scaler_state(optimizer, extra["loss_scaler"])
+        if "zero3_trace" in extra and _is_zero3(optimizer):
+            off = optimizer.parameter_offload
+            set_zero3_trace(off.get_param_coordinator(), off.module, extra["zero3_trace"])
 
     def prepare_rollback(self, model: Sequence[Any], optimizer) -> None:
         # a step discarded mid-backward leaves reduced (or half-reduced) gradients behind
@@ -331,15 +441,11 @@ class DeepSpeedFramework(Framework):
             optimizer.checkpoint_event_prologue()
 
     def new_generation(self, model: Sequence[Any], optimizer) -> None:
-        """ZeRO-3's parameter coordinator has recorded the order in which modules fetch their
-        parameters; recording it does world collectives (``assert_ints_same_as_other_ranks``)
-        that a joiner, whose coordinator starts empty, does at its first two steps. Every
-        stayer forgets its trace too, so all ranks record it again together: prefetching is
-        off for those two steps (speed only; the values are the same)."""
+        """ZeRO-3's parameter coordinator keeps the trace it recorded (the order in which
+        modules fetch their parameters): a joiner takes the same trace with its state
+        (:func:`set_zero3_trace`), so every rank prefetches from the first step after the
+        change, and nobody does the trace's recording collectives alone."""
         if _is_zero3(optimizer):
-            coord = optimizer.parameter_offload.get_param_coordinator()
-            if not coord.is_invalid_trace():
-                coord._invalidate_trace()
             # with a complete trace DeepSpeed keeps parameters it will soon use again gathered
             # across the boundary; a joiner holds only its persistent ones whole, so those others
             # go back to their partitions here (else a stayer would skip an all-gather the joiner
