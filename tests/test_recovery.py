@@ -200,6 +200,19 @@ def test_no_standby_falls_back_to_the_checkpoint(reference, tmp_path):
     assert_same_run(res, reference)
 
 
+def test_a_restart_from_the_checkpoint_hands_back_the_step_its_logger_never_logged(reference, tmp_path):
+    """No standby; role 4 (which logs) dies after the vote made step 4 final and after its
+    checkpoint was saved, before its loop logged it. Every process restarts from that
+    checkpoint, which kept each rank's reports of step 4: the restarted role 4 logs it, and
+    every step is logged once."""
+    fault = Fault.kill(rank=4).at(step=4, phase="committed")
+    res = run_job(tmp_path / "run", STEPS, standby=0, faults=fault.spec(), launch_args=["--save-interval", "2"])
+    fb = res.of("fallback")
+    assert len(fb) == 1 and fb[0]["resume_step"] == 4, res.tails()
+    assert_same_run(res, reference)
+    assert _logged_steps(res) == list(range(1, STEPS + 1)), _logged_steps(res)
+
+
 # --------------------------------------------------------------------------- warmed general standby
 #: PP 3 at world 6 (tp1 dp2): first stage ranks 0-1, middle 2-3, last 4-5.
 PP3 = ["examples/train_gpt.py", "--tp", "1", "--pp", "3", "--num-layers", "6", "--checksum"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -128,17 +129,22 @@ def test_commit_reports_travel_in_the_snapshot_and_come_back_equal():
     """What a joiner hands back is what the failed process was given, JSON floats exactly."""
     import torch
 
+    from pitstop.runtime import reports as rep
     from pitstop.runtime import state
 
     loss = 4.876689910888672
     reports = [(3, {"loss": loss, "grad_norm": 1.5561331157376, "ok": True}), (4, {"loss": 0.1 + 0.2, "t": torch.arange(3)})]
-    snap = _snap_with(state.encode_reports(reports))
+    snap = _snap_with(rep.encode(reports))
     wire = state.Snapshot.from_wire(snap.meta_bytes(), snap.data)
-    back = state.reports_of(wire)
+    back = rep.of_snapshot(wire)
     assert [s for s, _ in back] == [3, 4]
     assert float.hex(back[0][1]["loss"]) == float.hex(loss) and back[1][1]["loss"] == 0.1 + 0.2
     assert back[1][1]["t"].tolist() == [0, 1, 2]
-    assert state.reports_of(_snap_with(None)) == []
+    # a diverged step's report (JSON has no NaN): carried, and it does not break the snapshot
+    odd = rep.of_snapshot(state.Snapshot.from_wire(*(lambda s: (s.meta_bytes(), s.data))(
+        _snap_with(rep.encode([(4, {"loss": float("nan"), "grad_norm": float("inf"), "m": -float("inf")})])))))
+    assert math.isnan(odd[0][1]["loss"]) and odd[0][1]["grad_norm"] == float("inf") and odd[0][1]["m"] == -float("inf")
+    assert rep.of_snapshot(_snap_with(None)) == []
     # the reports never reach the RNG streams
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     assert state.restore(opt, wire) == {}
@@ -146,25 +152,49 @@ def test_commit_reports_travel_in_the_snapshot_and_come_back_equal():
 
 def test_a_report_that_cannot_cross_the_wire_is_refused_by_type():
     from pitstop.errors import RecoveryError
-    from pitstop.runtime import state
+    from pitstop.runtime import reports as rep
 
     with pytest.raises(RecoveryError, match="type object"):
-        state.encode_reports([(1, {"loss": object()})])
+        rep.encode([(1, {"loss": object()})])
 
 
 @pytest.mark.parametrize("bad, message", [
     ("nope", "expected a list"),
     ([[1]], "expected \\[step, report\\]"),
     ([[-1, 0.5]], "expected \\[step, report\\]"),
-    ([[5, 0.5]], "step 5: expected steps ascending and at most the snapshot's step 4"),
+    ([[5, 0.5]], "step 5: expected steps ascending and at most step 4"),
     ([[3, 0.5], [3, 0.6]], "step 3: expected steps ascending"),
+    ([[3, {"$f": "1e999"}]], "non-finite float .* expected nan, inf or -inf"),
 ])
 def test_forged_reports_are_refused_with_the_value(bad, message):
     from pitstop.errors import RecoveryError
-    from pitstop.runtime import state
+    from pitstop.runtime import reports as rep
 
     with pytest.raises(RecoveryError, match=message):
-        state.reports_of(_snap_with(bad))
+        rep.of_snapshot(_snap_with(bad))
+
+
+def test_a_checkpoints_reports_are_read_back_and_junk_is_refused(tmp_path):
+    """The reports a --save-interval checkpoint keeps for a restart: read back equal, absent
+    when none were written, and a file that does not parse or names another step refused."""
+    from pitstop.errors import RecoveryError
+    from pitstop.runtime import reports as rep
+
+    rep.write(tmp_path, 4, 3, rep.encode([(3, {"loss": 1.25}), (4, {"loss": 0.1 + 0.2})]))
+    assert rep.read(tmp_path, 4, 3) == [(3, {"loss": 1.25}), (4, {"loss": 0.1 + 0.2})]
+    assert rep.read(tmp_path, 4, 2) is None and rep.read(tmp_path, 2, 3) is None
+    assert not list(tmp_path.glob("**/*.tmp"))  # written whole, then renamed
+    p = rep.path(tmp_path, 6, 0)
+    p.parent.mkdir(exist_ok=True)
+    p.write_text('{"step": 6, "reports": [[6, NaN]]}')
+    with pytest.raises(RecoveryError, match="does not parse"):
+        rep.read(tmp_path, 6, 0)
+    p.write_text('{"step": 5, "reports": []}')
+    with pytest.raises(RecoveryError, match="expected the reports of step 6"):
+        rep.read(tmp_path, 6, 0)
+    p.write_text('{"step": 6, "reports": [[7, 1.0]]}')
+    with pytest.raises(RecoveryError, match="report for step 7"):
+        rep.read(tmp_path, 6, 0)
 
 
 # ----------------------------------------------------------------------------- token

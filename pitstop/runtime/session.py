@@ -51,7 +51,7 @@ from pitstop.protocol import Verdict
 from pitstop import memory
 from pitstop.errors import PitstopError, RecoveryError
 from pitstop.plan import plan_replace
-from pitstop.runtime import keys, sandbox, state, worker
+from pitstop.runtime import keys, reports, sandbox, state, worker
 from pitstop.runtime.buddy import BuddyWire
 from pitstop.runtime.framework import Framework, first_trainable, wrap
 from pitstop.runtime.faults import Fault
@@ -286,8 +286,9 @@ class Session:
             return self._pass(step, report, t0, iter_s)
         recording = sandbox.recording()
         final = self._redeliver + self._held + [(step, report)]
+        wire = self._wire_reports(final)
         with sandbox.paused():
-            pending, received = self._take_and_exchange(step, final)
+            pending, received = self._take_and_exchange(step, wire)
         poisoned = self.fence.poisoned
         self.fence.armed = False
         verdict = self._vote(step, poisoned)
@@ -307,7 +308,7 @@ class Session:
             self.hook_s += time.perf_counter() - t0
             self.registry.reap()
             if self.cfg.save_interval and step % self.cfg.save_interval == 0:
-                self._save(step)
+                self._save(step, wire)
             if verdict == Verdict.SWITCH:
                 if self.switch_at_next_step:
                     self._switch_due = step
@@ -351,12 +352,12 @@ class Session:
         return []
 
     # ------------------------------------------------------------------ boundary pieces
-    def _take_and_exchange(self, step: int, reports: Sequence[Tuple[int, Any]] = ()):
+    def _take_and_exchange(self, step: int, wire_reports: Optional[list] = None):
         """Pack this rank's state (rollback point), with the reports of the steps it makes
-        final, and swap it with the buddy ring."""
+        final (:mod:`pitstop.runtime.reports`), and swap it with the buddy ring."""
         seq = pgmod.world_group().seq
         snap = state.take(self.optimizer, step, seq, out=self._spare, extra=self.fw.extra_state(self.model, self.optimizer),
-                          reports=self._wire_reports(reports))
+                          reports=wire_reports)
         ranks, group = self._shard_group()
         if not self.cfg.buddy or len(ranks) == 1:
             return snap, None
@@ -371,22 +372,23 @@ class Session:
         self.buddy_s += time.perf_counter() - t0
         return snap, (None if self.fence.poisoned else got)
 
-    def _wire_reports(self, reports: Sequence[Tuple[int, Any]]) -> Optional[list]:
-        if not reports or not self._reports_ok:
+    def _wire_reports(self, final: Sequence[Tuple[int, Any]]) -> Optional[list]:
+        if not final or not self._reports_ok:
             return None
         try:
-            return state.encode_reports(reports)
+            return reports.encode(final)
         except RecoveryError as exc:  # said once; training goes on, a joiner just hands nothing back
             self._reports_ok = False
             log.warning("%s commit reports are not carried to a joiner: %s", self.prefix(), exc)
             return None
 
-    def _take_redelivery(self, snap: state.Snapshot) -> None:
-        """A joiner: the steps its role's previous process made final and may not have logged."""
+    def _take_redelivery(self, read: Callable[[], Optional[List[Tuple[int, Any]]]], where: str) -> None:
+        """A joiner, or a restart: the steps its role's previous process made final (``read``
+        from the role's state or its checkpoint), which that process may not have logged."""
         try:
-            self._redeliver = state.reports_of(snap)
+            self._redeliver = read() or []
         except RecoveryError as exc:
-            log.warning("%s refused the reports carried in the role's state: %s", self.prefix(), exc)
+            log.warning("%s refused the reports carried in %s: %s", self.prefix(), where, exc)
             self._redeliver = []
         if self._redeliver:
             self._info("hands back step(s) %s at its first commit: the role's previous process made them final "
@@ -419,8 +421,10 @@ class Session:
         got = ch.settled(vk, present=True)
         return got if got is not None else Verdict.poisoned(None, "the verdict does not verify")
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, wire_reports: Optional[list]) -> None:
         t0 = time.perf_counter()
+        if wire_reports:  # first: a restart from this step hands them back (read only once the save is whole)
+            reports.write(self.checkpoint_dir, step, self.rank, wire_reports)
         self.fw.save(self.checkpoint_dir, step, self.model, self.optimizer)
         self._info("checkpoint of step %d saved in %.2fs", step, time.perf_counter() - t0)
 
@@ -689,6 +693,7 @@ class Session:
                 loaded = self.fw.load(self.checkpoint_dir, self.model, self.optimizer, int(os.environ[ENV_RESUME]))
                 self.first_step = loaded + 1
                 self._info("restarted from the checkpoint of step %d", loaded)
+                self._take_redelivery(lambda: reports.read(self.checkpoint_dir, loaded, self.rank), "the checkpoint")
             self.data = self.make_data(self.first_step)
             if self.rank == 0 and self.m.epoch == 0 and mode == "worker":  # what the controller plans with
                 lay = self.layout
@@ -714,7 +719,7 @@ class Session:
         snap = state.recv_snapshot(nxt, group)
         self.buddy = state.recv_snapshot(prv, group) if self.cfg.buddy else None
         self._restore(snap)
-        self._take_redelivery(snap)
+        self._take_redelivery(lambda: reports.of_snapshot(snap), "the role's state")
         self.snap = snap
         self._attach_world(snap.world_seq)
         t_state = time.perf_counter()
@@ -752,7 +757,7 @@ class Session:
         for buf in self.fw.param_buffers(self.model, self.optimizer):
             state.pg_recv(pair, buf, 0)
         self.fw.after_handover(self.model, self.optimizer)
-        self._take_redelivery(snap)
+        self._take_redelivery(lambda: reports.of_snapshot(snap), "the role's state")
         self.snap = snap
         self._attach_world(snap.world_seq)
         self.first_step = int(step_s) + 1

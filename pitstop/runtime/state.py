@@ -155,9 +155,10 @@ def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] =
     ``extra``: small state of the training library (e.g. DeepSpeed's step counters), carried
     with the RNG streams in JSON form; :func:`restore` returns it.
 
-    ``reports``: :func:`encode_reports` of the steps this boundary makes final, with what the
-    script gave for each. A joiner that takes this state over hands them back
-    (:func:`reports_of`): the process it replaces may have died before it logged them."""
+    ``reports``: :func:`pitstop.runtime.reports.encode` of the steps this boundary makes final,
+    with what the script gave for each. A joiner that takes this state over hands them back
+    (:func:`pitstop.runtime.reports.of_snapshot`): the process it replaces may have died
+    before it logged them."""
     items = _shard_items(optimizer)
     layout = [(n, tuple(t.shape), str(t.dtype).replace("torch.", ""), key) for n, t, _, key in items]
     flats = [t.detach().reshape(-1).view(torch.uint8) for _, t, _, _ in items]
@@ -173,29 +174,6 @@ def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] =
     if reports:
         enc["reports"] = reports
     return Snapshot(step, layout, out, json.dumps(enc).encode(), world_seq)
-
-
-def encode_reports(reports: Sequence[Tuple[int, Any]]) -> list:
-    """``[(step, report)]`` in the snapshot's JSON form. A report that cannot cross the wire
-    (not JSON, a tensor or an array) raises :class:`RecoveryError`."""
-    return [[int(s), encode_value(r)] for s, r in reports]
-
-
-def reports_of(snap: Snapshot) -> List[Tuple[int, Any]]:
-    """The (step, report) pairs a snapshot carries, validated: steps are integers, ascending,
-    none after the snapshot's own step. Anything else is a :class:`RecoveryError`."""
-    raw = decode_rng(snap.rng).get("reports", [])
-    if not isinstance(raw, list):
-        raise RecoveryError(f"snapshot reports: {type(raw).__name__}, expected a list of [step, report]")
-    out: List[Tuple[int, Any]] = []
-    for e in raw:
-        if not (isinstance(e, list) and len(e) == 2 and _is_nat(e[0])):
-            raise RecoveryError(f"snapshot report entry {str(e)[:80]}: expected [step, report]")
-        if e[0] > snap.step or (out and e[0] <= out[-1][0]):
-            raise RecoveryError(f"snapshot report for step {e[0]}: expected steps ascending and at most the "
-                                f"snapshot's step {snap.step} (after {out[-1][0] if out else 'none'})")
-        out.append((e[0], e[1]))
-    return out
 
 
 def restore(optimizer, snap: Snapshot) -> Dict[str, Any]:
@@ -268,7 +246,9 @@ def encode_value(v: Any) -> Any:
             raise RecoveryError(f"state dict with non-string keys {list(v)[:5]}: cannot cross the wire as JSON")
         return {k: encode_value(x) for k, x in v.items()}
     if isinstance(v, np.generic):
-        return v.item()
+        return encode_value(v.item())
+    if isinstance(v, float) and not math.isfinite(v):  # JSON has no NaN or Infinity; a diverged loss does
+        return {"$f": repr(v)}
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     raise RecoveryError(f"state of type {type(v).__name__} cannot cross the wire (JSON, tensors and arrays only)")
@@ -284,6 +264,10 @@ def decode_value(v: Any, depth: int = 0) -> Any:
         return v
     if "$tuple" in v:
         return tuple(decode_value(x, depth + 1) for x in v["$tuple"])
+    if "$f" in v:
+        if v["$f"] not in ("nan", "inf", "-inf") or len(v) != 1:
+            raise RecoveryError(f"non-finite float {str(v)[:40]}: expected nan, inf or -inf")
+        return float(v["$f"])
     if "$t" in v or "$a" in v:
         shape = v.get("shape")
         if not (isinstance(shape, list) and all(_is_nat(x) for x in shape) and isinstance(v.get("b64"), str)):
