@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -241,6 +242,11 @@ def _positions(module) -> Tuple[Dict[int, int], Dict[int, int]]:
     return ({id(m): i for i, m in enumerate(module.modules())}, {id(p): i for i, p in enumerate(module.parameters())})
 
 
+#: The last complete trace's JSON form, per coordinator: a complete trace is frozen (DeepSpeed
+#: keeps it as tuples), so the form taken at every commit is reused while the tuples are the same.
+_COMPLETE: "weakref.WeakKeyDictionary[Any, Tuple[Any, Any, Dict[str, Any]]]" = weakref.WeakKeyDictionary()
+
+
 def zero3_trace(coord, module) -> Dict[str, Any]:
     """The coordinator's trace in JSON form, by module and parameter position: its mode; the
     modules recorded so far (``record``, with the steps each was fetched at, by ``ds_id``'s
@@ -249,11 +255,16 @@ def zero3_trace(coord, module) -> Dict[str, Any]:
     if coord.is_invalid_trace():
         return {"mode": "invalid"}
     get = lambda name: getattr(coord, _COORD + name)  # noqa: E731
+    if coord.is_complete_trace():
+        hit = _COMPLETE.get(coord)
+        if hit is not None and hit[0] is get("submodule_order") and hit[1] is get("param_order"):
+            return hit[2]
     mpos, ppos = _positions(module)
     out: Dict[str, Any] = {"mode": "complete" if coord.is_complete_trace() else "record",
                            "modules": [mpos[id(m)] for m in get("submodule_order")]}
     if out["mode"] == "complete":
         out["params"] = [[ppos[id(p.param)], int(p.step_id_last_used_at)] for p in get("param_order")]
+        _COMPLETE[coord] = (get("submodule_order"), get("param_order"), out)
     else:
         by_ds_id = {int(m.ds_id): mpos[id(m)] for m in module.modules() if hasattr(m, "ds_id")}
         out["fetched_at"] = {str(by_ds_id[k]): [int(x) for x in v] for k, v in get("step_id_module_fetched_for").items() if v}
