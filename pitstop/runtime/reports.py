@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 from pitstop.errors import RecoveryError
-from pitstop.runtime.state import Snapshot, _is_nat, _no_constant, decode_rng, decode_value, encode_value
+from pitstop.runtime.state import Snapshot, _is_nat, _no_constant, decode_value, encode_value
 
 #: Where a checkpoint keeps each rank's reports of its step, beside the library's own files.
 DIRNAME = "pitstop-reports"
@@ -51,8 +51,13 @@ def parse(raw: Any, last_step: int) -> List[Tuple[int, Any]]:
 
 
 def of_snapshot(snap: Snapshot) -> List[Tuple[int, Any]]:
-    """The reports a snapshot carries (none when it carries none)."""
-    return parse(decode_rng(snap.rng).get("reports", []), snap.step)
+    """The reports a snapshot carries (none when it carries none). Only the reports are
+    decoded here: the RNG streams beside them were decoded and checked by ``state.restore``."""
+    try:
+        d = json.loads(bytes(snap.rng).decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RecoveryError(f"snapshot header from a peer does not parse: {exc}") from None
+    return parse(d.get("reports", []) if isinstance(d, dict) else None, snap.step)
 
 
 def path(ckpt_dir: str | os.PathLike, step: int, rank: int) -> Path:
