@@ -56,6 +56,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from typing import Sequence, Tuple
 
 # Set thread counts before torch spins up its pools (each worker gets one core's worth).
@@ -273,8 +274,9 @@ def _setup_pitstop(args: argparse.Namespace):
     from pitstop.integrations import deepspeed as pitstop_ds
 
     model = build_model(args)
+    # warmup=: what a standby runs in pitstop's sandbox while it waits for a role
     engine, _, _, _ = pitstop_ds.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args),
-                                            tensor_parallel=args.tp)
+                                            tensor_parallel=args.tp, warmup=partial(sandbox_iteration, args))
     dp_rank = dist.get_rank(group=pitstop_ds.registry().group("dp"))
     device = engine.device
 
@@ -282,6 +284,19 @@ def _setup_pitstop(args: argparse.Namespace):
         return tuple(t.to(device) for t in make_batch(args, step, dp_rank))
 
     return engine, data_fn
+
+
+def sandbox_iteration(args: argparse.Namespace) -> dict:
+    """pitstop's warmup of a standby: this script's start and step 1 as rank 0 (the collectives are
+    answered from rank 0's record of its first iteration; nothing leaves the process), then the
+    engine is dropped. What stays warm is the process: DeepSpeed's lazy imports and op loaders,
+    first-call code paths, the allocator."""
+    engine, data_fn = _setup_pitstop(args)
+    t = time.perf_counter()
+    loss = dp_mean(engine, train_step(engine, data_fn(1)))
+    out = {"loss": loss, "iter_s": round(time.perf_counter() - t, 4)}
+    engine.destroy()
+    return out
 
 
 def train_step(engine, batch) -> torch.Tensor:
@@ -368,6 +383,15 @@ def _peak_tensor_bytes():
     return memory.peak_bytes()
 
 
+def _rss_bytes() -> int:
+    """Resident memory now (Linux), to compare a worker with a warmed standby."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     args = parse_args(argv)
@@ -417,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "hook_s": round(session.hook_s, 4) if session else 0.0,
                           "buddy_s": round(session.buddy_s, 4) if session else 0.0,
                           "buddy_bytes": session.buddy.nbytes if session and session.buddy else 0,
-                          "peak_tensor_bytes": _peak_tensor_bytes()}), flush=True)
+                          "peak_tensor_bytes": _peak_tensor_bytes(), "rss_bytes": _rss_bytes()}), flush=True)
     if rank == 0:
         print(json.dumps({"checksum": digest, "zero_stage": args.zero_stage, "setup_s": round(t_setup, 2),
                           "total_s": round(time.perf_counter() - t0, 2)}), flush=True)

@@ -592,3 +592,54 @@ def test_zero3s_trace_is_handed_over_by_position_and_spares_the_recording():
 
     recording = run("load", json.dumps(fresh["trace"]))
     assert recording["checks"] == 3 and recording["trace"] == full["trace"], recording
+
+
+_IDS = r"""
+import json, os, sys
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0")
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import train_deepspeed as T
+from pitstop.integrations.deepspeed import set_zero3_id_counters, zero3_id_counters
+from pitstop.patches import deepspeed_cpu
+import deepspeed
+deepspeed_cpu.apply()
+store = dist.TCPStore("127.0.0.1", 0, 1, True)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+args = T.parse_args(["--zero-stage", "3"])
+
+def ids():
+    model = T.build_model(args)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=T.ds_config(args))
+    out = {"modules": [m.ds_id for m in model.modules()], "params": [p.ds_id for p in model.parameters()]}
+    engine.destroy()
+    return out
+
+before = zero3_id_counters()
+first = ids()
+moved = zero3_id_counters()
+second = ids()
+set_zero3_id_counters(before)
+third = ids()
+print(json.dumps({"before": before, "moved": moved, "first": first, "second": second, "third": third}))
+"""
+
+
+def test_zero3s_id_counters_put_back_make_the_next_engine_number_its_model_as_a_fresh_process():
+    """A standby's sandboxed ZeRO-3 engine moves DeepSpeed's process-wide ``ds_id`` counters on,
+    and ZeRO-3 compares modules' ``ds_id`` across ranks while it records its trace: a joiner
+    numbering differently failed that check (``Detected a disagreement on list contents``) when
+    it joined at step 2. The sandbox's teardown puts the counters back; here, a second engine in
+    one process numbers its model differently (the premise), and one built after the counters
+    were put back numbers it exactly as the first. Fails loudly if DeepSpeed moves the counters."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _IDS, str(ROOT / "examples")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=240, env={**os.environ, **ENV})
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["moved"][0] > r["before"][0] and r["moved"][1] > r["before"][1], r
+    assert r["second"] != r["first"], r  # the premise: a second engine numbers its model anew
+    assert r["third"] == r["first"], r
+    assert len(set(r["first"]["params"])) == len(r["first"]["params"]) > 10, r

@@ -169,3 +169,33 @@ def test_emulated_zero2_rank_reports_the_real_runs_peak_memory(tmp_path):
     peaks = {r: rec["peak_tensor_bytes"] for r, rec in recs.items()}
     emulated = measure_memory(EmulateSpec(4, 1, 1, [0], [SCRIPT, *args], tmp_path / "emu", timeout_s=400))
     assert peaks[0] > 1_000_000 and emulated[0] == peaks[0], (emulated, peaks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("stage,extra", [(2, ()), (3, ("--bf16",))])
+def test_a_standby_warmed_in_the_sandbox_takes_the_role_warm_and_bitwise(tmp_path, stage, extra):
+    """Rank 0 records its set-up and step 1; the standby replays them in the sandbox, with its
+    own engine on virtual groups, while training holds (``--hold-for-warm``), then tears that
+    engine down. The sandbox's own inputs to the recorded operations (its gradients, its
+    partition) must equal the recorder's bit for bit: a replayed result is not evidence that the
+    sandbox computed anything. Then rank 2 is SIGKILLed; the warmed standby takes the role, and
+    nothing the sandbox left in the process (DeepSpeed's counters and globals, ZeRO-3's
+    ``ds_id`` numbering, an mpu) may change a bit of the run."""
+    gpt = _gpt(stage, *extra)
+    ref = run_job(tmp_path / "ref", STEPS, nproc=4, gpt=gpt, timeout=400, launch_args=LAUNCH + ["--no-warmup"])
+    kill = Fault.kill(rank=2).at(step=4, phase="backward")
+    res = run_job(tmp_path / "run", STEPS, standby=1, faults=kill.spec(), nproc=4, gpt=gpt, timeout=600,
+                  launch_args=LAUNCH + ["--hold-for-warm", "300"])
+    _assert_same(res, ref)
+    rec = res.of("recorded")
+    assert [(e["cls"], e["role"]) for e in rec] == [("only", 0)], res.tails()
+    warmed = res.of("warmed")
+    assert len(warmed) == 1 and warmed[0]["ok"], res.tails()
+    (cls,) = warmed[0]["classes"]
+    # every recorded operation was asked for by the sandbox's own engine, in order
+    assert cls["ok"] and cls["role"] == 0 and cls["ops"] == rec[0]["ops"] > 0, (cls, rec)
+    assert cls["local_checked"] > 0 and cls["local_equal"] == cls["local_checked"], cls
+    rep = res.of("replaced")
+    assert [(e["role"], e["warm"]) for e in rep] == [(2, True)], res.tails()
+    assert rep[0]["stale_refs"] == 0 and rep[0]["swapped"] > 0, rep

@@ -119,10 +119,14 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
     The baseline is DeepSpeed's own checkpoint restart, as a DeepSpeed user runs it:
     ``engine.save_checkpoint`` every 2 steps, the kill, every process restarted, groups
     and engine built again, ``engine.load_checkpoint``, first finished step (pitstop's
-    no-standby fallback with a DeepSpeed job does exactly this). The standby joins cold:
-    DeepSpeed has no sandboxed warmup yet. The drain runs with ``--step-delay 0.3`` so the
+    no-standby fallback with a DeepSpeed job does exactly this). The drain runs with ``--step-delay 0.3`` so the
     job is still running when the standby has built its engine; the delay is not in any
     other run, and the pause it reports does not depend on it.
+
+    The unplanned replacement runs twice, side by side: with a standby warmed in the sandbox
+    (it replays rank 0's recorded set-up and step 1; training holds after step 1 until it has,
+    ``--hold-for-warm``), whose time is ``unplanned_s``, and with a cold one (``--no-warmup``),
+    under ``breakdown.warmup``.
     """
     base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
     gpt = _ds_script(zero_stage)
@@ -132,7 +136,9 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
     restart = run_job(base / "restart", steps, standby=0, faults=DS_KILL.spec(), nproc=4, gpt=gpt,
                       launch_args=DS_LAUNCH + ["--save-interval", "2"])
     unplanned = run_job(base / "unplanned", steps, standby=1, faults=DS_KILL.spec(), nproc=4, gpt=gpt,
-                        launch_args=DS_LAUNCH)
+                        launch_args=DS_LAUNCH + ["--hold-for-warm", "600"])
+    cold = run_job(base / "unplanned-cold", steps, standby=1, faults=DS_KILL.spec(), nproc=4, gpt=gpt,
+                   launch_args=DS_LAUNCH + ["--no-warmup"])
     drain_steps = max(steps, 24)
     slow = gpt + ["--step-delay", "0.3"]
     ref_slow = run_job(base / "reference-slow", drain_steps, nproc=4, gpt=slow, launch_args=DS_LAUNCH)
@@ -142,12 +148,26 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
         request_drain(d, rank=1)
 
     planned = run_job(base / "planned", drain_steps, standby=1, during=drain, nproc=4, gpt=slow, launch_args=DS_LAUNCH)
-    out = _summary(ref, restart, (unplanned.of("replaced") or [{}])[0], (planned.of("drained") or [{}])[0],
-                   _identical(unplanned, ref) and _identical(planned, ref_slow))
+    rep = (unplanned.of("replaced") or [{}])[0]
+    rep_cold = (cold.of("replaced") or [{}])[0]
+    out = _summary(ref, restart, rep, (planned.of("drained") or [{}])[0],
+                   _identical(unplanned, ref) and _identical(cold, ref) and _identical(planned, ref_slow))
+    warmed = [e for e in unplanned.of("warmed") if e.get("ok")]
+    cls = (warmed[0]["classes"] or [{}])[0] if warmed else {}
+    out["breakdown"]["warmup"] = {
+        "joiner_warm": rep.get("warm"), "cold_joiner_s": rep_cold.get("downtime_s"), "warm_joiner_s": rep.get("downtime_s"),
+        "state_cold_s": rep_cold.get("state_s"), "state_warm_s": rep.get("state_s"),
+        "built_cold_s": rep_cold.get("joiner_built_s"), "built_warm_s": rep.get("joiner_built_s"),
+        "first_iter_cold_s": rep_cold.get("first_iter_s"), "first_iter_warm_s": rep.get("first_iter_s"),
+        "sandbox_s": round(cls["seconds"], 4) if "seconds" in cls else None, "ops_replayed": cls.get("ops"),
+        "local_checked": cls.get("local_checked"), "local_equal": cls.get("local_equal")}
+    out["standby_memory"] = {"warmed_standby_rss_bytes": max((e["rss_bytes"] for e in warmed), default=None),
+                             "worker_rss_bytes": max((s["rss_bytes"] for s in ref.stats if "rss_bytes" in s), default=None)}
     return {
         **out,
         "zero_stage": zero_stage,
-        "job": f"world 4 (dp4) DeepSpeed ZeRO-{zero_stage} engine, examples/train_deepspeed.py, CPU/gloo, 1 standby (cold), "
+        "job": f"world 4 (dp4) DeepSpeed ZeRO-{zero_stage} engine, examples/train_deepspeed.py, CPU/gloo, 1 standby "
+               "(warmed in the sandbox; a cold one side by side), "
                "kill rank 2 at step 4 (backward), drain rank 1",
         "run_dir": str(base),
     }

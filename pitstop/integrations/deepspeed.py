@@ -43,6 +43,7 @@ from pitstop.errors import ConfigError, RecoveryError, require
 from pitstop.groups import GroupRegistry
 from pitstop.integrations.deepspeed_config import PitstopSection, refuse_unsupported, strip_section
 from pitstop.layout import ParallelLayout
+from pitstop.runtime import sandbox as _sandbox
 from pitstop.runtime.framework import FaultPoints, Framework
 from pitstop.emulation import runtime as _emulation  # noqa: F401 - plugs `pitstop emulate` into worker.join
 
@@ -53,6 +54,7 @@ class _State:
     registry: Optional[GroupRegistry] = None
     section: Optional[PitstopSection] = None
     mpu: Any = None
+    counters: Optional[Tuple[int, int]] = None  # ZeRO-3's id counters before a sandboxed engine build
 
 
 def registry() -> Optional[GroupRegistry]:
@@ -136,7 +138,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     groups pitstop built (``pitstop.integrations.megatron.initialize_model_parallel``);
     it is wrapped in :class:`~.deepspeed_mpu.MegatronMpu`. Otherwise leave it None:
     pitstop builds a data-parallel layout (``tensor_parallel`` ranks per model replica,
-    default 1) and its own mpu. ``warmup``: reserved for the sandboxed standby warmup.
+    default 1) and its own mpu. ``warmup``: the script's set-up and one training step (it calls
+    this function again); a standby runs it in the warmup sandbox while it waits for a role
+    (:mod:`pitstop.runtime.sandbox`), replaying rank 0's recorded first iteration, so that its
+    engine build and first step after the assignment find every import, DeepSpeed's op
+    loaders and first-call code paths warm.
     """
     import torch.distributed as dist
 
@@ -150,12 +156,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     from pitstop.patches import deepspeed_cpu
 
     deepspeed_cpu.apply()  # no JIT build of the shm op on CPU; no-op with CUDA
-    from pitstop.runtime import worker
+    from pitstop.runtime import sandbox, worker
     from pitstop.runtime.config import RuntimeConfig
 
-    m = worker.current()
-    if m is None:
+    # inside a standby's sandboxed warmup (``warmup`` calling back into this function) the
+    # process has no membership yet: the world is the virtual one the sandbox set up
+    sandboxed = sandbox.active() is not None
+    m = None if sandboxed else worker.current()
+    if m is None and not sandboxed:
         m = worker.join(sect.runtime_config(RuntimeConfig.from_env()), warmup)
+    generation, role = (m.generation, m.role) if m is not None else (0, dist.get_rank())
+    timeout_s = m.config.collective_timeout_s if m is not None else RuntimeConfig.from_env().collective_timeout_s
     _State.section = sect
     if mpu is not None:
         from pitstop.integrations import megatron as meg
@@ -177,13 +188,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
         backend = None
         if emulation.active():
+            emulation.check_layout(layout)
+        if emulation.active() or sandboxed:
+            # an emulated world, or a standby's warmup answered from the record: every group is virtual
             from pitstop.virtual import VIRTUAL_BACKEND
 
-            emulation.check_layout(layout)
             backend = VIRTUAL_BACKEND
-        reg = GroupRegistry(layout, c10d._get_default_store(), generation=m.generation, backend=backend,
-                            timeout=timedelta(seconds=m.config.collective_timeout_s), gloo_twins=False,
+        reg = GroupRegistry(layout, c10d._get_default_store(), generation=generation, backend=backend,
+                            timeout=timedelta(seconds=timeout_s), gloo_twins=False,
                             deferred=worker.defers_groups())
+        # rank 0 of a fresh controlled job records its set-up and step 1 for standbys to replay
+        sandbox.maybe_start_recording(layout, dist.get_rank(), m)
         reg.build()
         if emulation.active():
             emulation.groups_ready(len(reg.entries()))
@@ -195,11 +210,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                pipeline_parallel=lambda: _State.registry.group("pp"),
                                singleton=lambda: _State.registry.group("pp"))
     os.environ.setdefault("LOCAL_RANK", "0")
+    if sandboxed and _State.counters is None:
+        _State.counters = zero3_id_counters()  # put back at the teardown: see zero3_id_counters
     out = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=_State.mpu,
                                dist_init_required=False, collate_fn=collate_fn, config=ds_config)
-    log.info("[g%d r%d] DeepSpeed engine on pitstop's groups (%s)", m.generation, m.role,
-             _State.registry.layout.describe())
+    log.info("[g%d r%d] DeepSpeed engine on pitstop's groups (%s)%s", generation, role,
+             _State.registry.layout.describe(), " in the warmup sandbox" if sandboxed else "")
     return out
 
 
@@ -217,6 +234,24 @@ def destroy() -> None:
         reg.destroy()
 
 
+def _sandbox_teardown() -> None:
+    """After a sandboxed iteration (or its failure): no group and no mpu left from the sandbox's
+    engine. The process-wide imports, DeepSpeed's compiled op loaders and the allocator's pool
+    stay: they are what the warmup is for."""
+    destroy()
+    _State.mpu = None
+    _State.section = None
+    counters, _State.counters = _State.counters, None
+    if counters is not None:
+        set_zero3_id_counters(counters)
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and getattr(groups, "mpu", None) is not None:
+        groups.mpu = None  # the sandbox's mpu; the real engine's initialize sets its own
+
+
+_sandbox.on_teardown(_sandbox_teardown)
+
+
 # ------------------------------------------------------------------------ ZeRO-3's trace
 #: DeepSpeed 0.19's ``PartitionedParameterCoordinator`` keeps its trace in name-mangled private
 #: fields. They are read and written here, nowhere else; ``check_zero3_trace_fields`` fails loudly
@@ -231,6 +266,38 @@ def check_zero3_trace_fields(coord) -> None:
         raise RecoveryError(f"DeepSpeed's parameter coordinator ({type(coord).__module__}) lacks the trace fields "
                             f"{missing or ['ParamInTrace']}: this DeepSpeed is not the one pitstop's ZeRO-3 trace "
                             f"hand-over was written for (0.19)")
+
+
+def zero3_id_counters() -> Tuple[int, int]:
+    """DeepSpeed 0.19's two process-wide ZeRO-3 id counters: the next module ``ds_id`` (the
+    mutable default ``count=[0]`` of ``DeepSpeedZeRoOffload._register_deepspeed_module``) and the
+    next parameter ``ds_id`` (``zero.Init.param_id``).
+
+    Every rank numbers its model from these, and ZeRO-3 compares the numbers across ranks while
+    it records its trace (``assert_ints_same_as_other_ranks`` on the modules' ``ds_id``). A
+    standby's sandboxed engine moves them on, so the teardown puts them back: the joiner's
+    engine then numbers its model as a fresh process does, as every stayer did."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    defaults = getattr(DeepSpeedZeRoOffload._register_deepspeed_module, "__defaults__", None)
+    if not (isinstance(defaults, tuple) and len(defaults) == 1 and isinstance(defaults[0], list)
+            and len(defaults[0]) == 1 and isinstance(defaults[0][0], int)
+            and isinstance(getattr(Init, "param_id", None), int)):
+        raise RecoveryError("DeepSpeed's ZeRO-3 id counters are not where pitstop looks "
+                            "(DeepSpeedZeRoOffload._register_deepspeed_module's count=[0], zero.Init.param_id): "
+                            "this DeepSpeed is not the one pitstop's sandbox was written for (0.19)")
+    return defaults[0][0], Init.param_id
+
+
+def set_zero3_id_counters(counters: Tuple[int, int]) -> None:
+    """Put back what :func:`zero3_id_counters` returned."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    zero3_id_counters()  # the fields are checked before anything is written
+    DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = counters[0]
+    Init.param_id = counters[1]
 
 
 def _positions(module) -> Tuple[Dict[int, int], Dict[int, int]]:
