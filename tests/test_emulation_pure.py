@@ -117,6 +117,52 @@ def test_link_classes_and_group_link():
     assert t.p2p_cost(0, 1, MB) == A + 1.0 and t.p2p_cost(3, 4, MB) == 8 * A + 4.0
 
 
+# ---------------------------------------------------------------------- measured tables
+def tabled(table: dict) -> Topology:
+    d = good_dict()
+    d["intra_node"]["table"] = table
+    return from_dict(json.loads(json.dumps(d)))
+
+
+def test_a_measured_table_is_interpolated_between_its_sizes_and_extended_past_them():
+    """nccl-tests style rows: linear between measured sizes, flat below the smallest (latency),
+    along the last slope above the largest; the alpha-beta model where the table has no row."""
+    t = tabled({"all_reduce": {"2": [[1024, 4 * A], [MB, 64 * A], [2 * MB, 96 * A]]},
+                "send": {"2": [[0, A], [MB, 2.0]]}})
+    assert t.cost("all_reduce", [0, 1], 1024) == 4 * A
+    assert t.cost("all_reduce", [0, 1], MB) == 64 * A
+    assert t.cost("all_reduce", [0, 1], MB + MB // 2) == 80 * A            # halfway: halfway
+    assert t.cost("all_reduce", [0, 1], 16) == 4 * A                       # below: the latency floor
+    assert t.cost("all_reduce", [0, 1], 4 * MB) == 160 * A                 # above: the last slope (32 A per MB)
+    assert t.p2p_cost(0, 1, MB // 2) == A + (2.0 - A) / 2
+    # no row for all_gather: the alpha-beta model, as without a table
+    plain = from_dict(good_dict())
+    assert t.cost("all_gather", [0, 1], MB) == plain.cost("all_gather", [0, 1], MB)
+    # a group size the table lacks: the nearest row scaled by the model's ratio between the sizes
+    want = 64 * A * plain.cost("all_reduce", [0, 1, 2, 3], MB) / plain.cost("all_reduce", [0, 1], MB)
+    assert t.cost("all_reduce", [0, 1, 2, 3], MB) == pytest.approx(want, rel=1e-12)
+    # the inter-node link has no table: the model; and the file form round-trips the table
+    assert t.cost("all_reduce", [0, 8], MB) == plain.cost("all_reduce", [0, 8], MB)
+    assert from_dict(t.to_dict()).intra_node.table == t.intra_node.table
+
+
+@pytest.mark.parametrize("table, words", [
+    ({"allreduce": {"2": [[1, 1e-3], [2, 2e-3]]}}, ["'allreduce'", "all_reduce", "send"]),
+    ({"all_reduce": {"1": [[1, 1e-3], [2, 2e-3]]}}, ["group size '1'", ">= 2"]),
+    ({"all_reduce": {"2": [[1, 1e-3]]}}, ["all_reduce[2]", ">= 2 points"]),
+    ({"all_reduce": {"2": [[4, 1e-3], [2, 2e-3]]}}, ["sizes [4, 2]", "strictly ascending"]),
+    ({"all_reduce": {"2": [[1, 1e-3], [2, 0]]}}, ["at 2 bytes(0)", "> 0", "seconds"]),
+    ({"all_reduce": {"2": [[1, 1e-3], [2.5, 2e-3]]}}, ["sizes [1, 2.5]", "integers"]),
+    ({"all_reduce": []}, ["all_reduce([])", "non-empty"]),
+    ([1, 2], ["table([1, 2])", "group size"]),
+])
+def test_a_bad_measured_table_is_refused_by_its_entry(table, words):
+    with pytest.raises(TopologyError) as exc:
+        tabled(table)
+    for w in words:
+        assert w in str(exc.value), str(exc.value)
+
+
 # ---------------------------------------------------------------------- cost model
 def test_cost_formulas_hand_computed():
     link = LinkClass("x", A, BW)  # 1 MiB takes exactly 1 s

@@ -156,6 +156,143 @@ def calibrate_gloo(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20, warm
     return Calibration(alpha, 1.0 / beta, samples)
 
 
+#: What ``pitstop calibrate`` measures per group size (``send``: one message, by ping-pong).
+TABLE_OPS: Tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
+#: Its default message sizes: nccl-tests' doubling, coarser (every 4x), 4 KiB to 16 MiB.
+TABLE_SIZES: Tuple[int, ...] = tuple(1 << k for k in range(12, 25, 2))
+_TABLE_KEY = "pitstop/calibration/table"
+
+
+def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Sequence[int], repeats: int,
+                  warmup: int, pin: bool) -> None:
+    """One rank of a calibration world of ``n``: every (op, size) ``warmup + repeats`` times.
+
+    A collective's cost is what the replay adds once the last member has arrived: each
+    repetition starts after a barrier, every rank stamps its own start and end with
+    ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for every process of the host), and the
+    cost is the last end minus the last start. ``send`` is half a ping-pong's round trip
+    between ranks 0 and 1. Rank 0 keeps the median over the repetitions (a loaded host's
+    typical cost, which is what a training step meets, not its fastest)."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if pin and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=120))
+    try:
+        out: Dict[str, Dict[int, float]] = {}
+        stamp = torch.zeros(2, dtype=torch.float64)
+        for op in ops:
+            out[op] = {}
+            for size in sizes:
+                numel = max(1, size // 4)
+                full = torch.zeros(numel, dtype=torch.float32)
+                part = torch.zeros(max(1, numel // n), dtype=torch.float32)
+                times: List[float] = []
+                for k in range(warmup + repeats):
+                    dist.barrier()
+                    if op == "send":
+                        t0 = time.perf_counter()
+                        if rank == 0:
+                            dist.send(full, 1)
+                            dist.recv(full, 1)
+                        elif rank == 1:
+                            dist.recv(full, 0)
+                            dist.send(full, 0)
+                        t1 = time.perf_counter()
+                        if rank == 0 and k >= warmup:
+                            times.append((t1 - t0) / 2)
+                        continue
+                    t0 = time.perf_counter()
+                    if op == "all_reduce":
+                        dist.all_reduce(full)
+                    elif op == "all_gather":  # ``size`` is the output buffer, as the cost model counts it
+                        dist.all_gather_into_tensor(full[: part.numel() * n], part)
+                    elif op == "reduce_scatter":  # ``size`` is the input buffer
+                        dist.reduce_scatter_tensor(part, full[: part.numel() * n])
+                    elif op == "broadcast":
+                        dist.broadcast(full, 0)
+                    t1 = time.perf_counter()
+                    stamp[0], stamp[1] = t0, t1
+                    dist.all_reduce(stamp, op=dist.ReduceOp.MAX)  # (last start, last end)
+                    if k >= warmup:
+                        times.append(float(stamp[1] - stamp[0]))
+                if rank == 0:
+                    out[op][size] = statistics.median(times)
+        if rank == 0:
+            store.set(f"{_TABLE_KEY}/{n}", json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_tables(group_sizes: Sequence[int] = (2,), sizes: Sequence[int] = TABLE_SIZES,
+                   ops: Sequence[str] = TABLE_OPS, repeats: int = 20, warmup: int = 3,
+                   pin: bool = True) -> Dict[str, Dict[int, List[List[float]]]]:
+    """Measure this machine's gloo costs per (operation, group size, bytes), nccl-tests style:
+    real processes (torch.multiprocessing, spawn) meeting through a ``TCPStore(port=0)``, one
+    world per group size. Returns the file form of a link's ``table``
+    (:mod:`pitstop.emulation.topology`): ``{op: {group size: [[bytes, seconds], ...]}}``."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from pitstop.emulation.topology import TABLE_OPS as KNOWN
+
+    sizes = sorted({int(x) for x in sizes})
+    bad_ops = [o for o in ops if o not in KNOWN]
+    if bad_ops:
+        raise EmulationError(f"ops {bad_ops}: expected some of {', '.join(KNOWN)}")
+    if len(sizes) < 2 or sizes[0] < 4:
+        raise EmulationError(f"sizes({sizes}) need >= 2 distinct values >= 4 bytes")
+    if not group_sizes or any(int(g) < 2 for g in group_sizes):
+        raise EmulationError(f"group sizes({list(group_sizes)}) must each be >= 2")
+    if repeats < 1 or warmup < 0:
+        raise EmulationError(f"repeats({repeats}) must be >= 1 and warmup({warmup}) >= 0")
+    table: Dict[str, Dict[int, List[List[float]]]] = {}
+    for n in sorted({int(g) for g in group_sizes}):
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+        mp.spawn(_table_worker, args=(n, store.port, list(ops), sizes, repeats, warmup, pin), nprocs=n, join=True)
+        got = json.loads(store.get(f"{_TABLE_KEY}/{n}"))
+        for op, rows in got.items():
+            if op == "send" and n != 2:
+                continue  # one message is between two ranks whatever the world
+            table.setdefault(op, {})[str(n)] = [[int(b), t] for b, t in sorted((int(b), t) for b, t in rows.items())]
+    return table
+
+
+def calibrate_topology(name: str = "cpu-gloo-calibrated", group_sizes: Sequence[int] = (2,),
+                       sizes: Sequence[int] = TABLE_SIZES, repeats: int = 20, gpus_per_node: int = 8,
+                       command: str = "pitstop calibrate") -> Dict[str, Any]:
+    """A topology file (its dict form) for this machine: the measured tables, and an alpha and
+    a bandwidth fitted to the ``send`` row (used for what the tables lack). Every rank shares
+    the host, so both link classes are the same loopback link and ``gpus_per_node`` is nominal."""
+    from pitstop.emulation.topology import from_dict
+
+    table = measure_tables(group_sizes, sizes, repeats=repeats)
+    send = table["send"]["2"]
+    alpha, beta = fit_alpha_beta([b for b, _ in send], [t for _, t in send])
+    link = {"alpha_s": alpha, "bandwidth_bytes_per_s": 1.0 / beta, "table": table}
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    data = {
+        "name": name,
+        "doc": ("gloo over 127.0.0.1, measured per (operation, group size, bytes) by pitstop calibrate: "
+                f"median of {repeats} repetitions after a barrier, from the last member's start to the last "
+                "member's end; send is half a ping-pong. Every rank shares the host: intra_node and "
+                "inter_node are the same link and gpus_per_node is nominal."),
+        "calibrated": f"{when}; {_machine()}; {command}",
+        "gpus_per_node": gpus_per_node,
+        "intra_node": link,
+        "inter_node": dict(link),
+    }
+    from_dict(json.loads(json.dumps(data)), source="pitstop calibrate")  # what it writes, it can read
+    return data
+
+
 def _machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:

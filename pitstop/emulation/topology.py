@@ -14,17 +14,32 @@ Topology files are JSON (``.json``) or TOML (``.toml``)::
      "intra_node": {"alpha_s": 2e-6, "bandwidth_bytes_per_s": 4.5e11},
      "inter_node": {"alpha_s": 5e-6, "bandwidth_bytes_per_s": 5.0e10}}
 
+A link class may also carry measured cost tables, in the style of nccl-tests: per operation
+and group size, the seconds one operation took at each of several message sizes (``pitstop
+calibrate`` writes them)::
+
+    "intra_node": {"alpha_s": ..., "bandwidth_bytes_per_s": ...,
+                   "table": {"all_reduce": {"2": [[1024, 1.9e-4], [1048576, 1.1e-3], ...]},
+                             "send": {"2": [[1024, 1.2e-4], ...]}}}
+
+A cost is then read off the table (:meth:`LinkClass.tabled`): linear between the two
+measured sizes around it, flat below the smallest (latency), along the last segment's slope
+above the largest (bandwidth). A group size the table lacks takes the nearest measured size
+scaled by the alpha-beta model's ratio between the two; an operation it lacks, the
+alpha-beta model alone.
+
 Shipped files live in ``pitstop/emulation/topologies/``; :func:`load` also takes their
 bare name (``load("h200-nvlink-ib")``).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Mapping, Sequence, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from pitstop.errors import TopologyError
 
@@ -37,6 +52,12 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_t
 P2P = ("send", "recv")
 
 _LINK_KEYS = ("alpha_s", "bandwidth_bytes_per_s")
+_LINK_OPTIONAL = ("table",)
+#: Operations a measured table may hold: the collectives and ``send`` (one point-to-point message).
+TABLE_OPS = COLLECTIVES + ("send",)
+
+#: op -> group size -> (sizes in bytes, ascending; seconds at each)
+Table = Mapping[str, Mapping[int, Tuple[Tuple[int, ...], Tuple[float, ...]]]]
 _TOP_KEYS = ("name", "doc", "calibrated", "gpus_per_node", "intra_node", "inter_node")
 
 
@@ -50,10 +71,27 @@ class LinkClass:
     bandwidth_bytes_per_s: float
     """Bandwidth of one direction, bytes per second."""
 
+    table: Table = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """Measured costs (see the module docstring); empty: the alpha-beta model alone."""
+
     @property
     def beta_s_per_byte(self) -> float:
         """Seconds per byte, ``1 / bandwidth``."""
         return 1.0 / self.bandwidth_bytes_per_s
+
+    def tabled(self, op: str, n: int, nbytes: int) -> Optional[float]:
+        """The measured cost of ``op`` over ``n`` ranks and ``nbytes``, or None when the table
+        has no row for ``op``. See the module docstring for interpolation and group sizes."""
+        rows = self.table.get(op)
+        if not rows or n <= 1:
+            return None
+        if n in rows:
+            return interpolate(*rows[n], nbytes)
+        near = min(rows, key=lambda m: (abs(m - n), m))
+        base = interpolate(*rows[near], nbytes)
+        plain = replace(self, table={})
+        den = _model_cost(op, near, nbytes, plain)
+        return base if den <= 0 else base * _model_cost(op, n, nbytes, plain) / den
 
 
 @dataclass(frozen=True)
@@ -114,6 +152,7 @@ class Topology:
             "inter_node",
             max(link.alpha_s for link in used),
             min(link.bandwidth_bytes_per_s for link in used),
+            self.inter_node.table,
         )
 
     # ------------------------------------------------------------------ costs
@@ -135,6 +174,9 @@ class Topology:
         for attr in ("intra_node", "inter_node"):
             link = getattr(self, attr)
             out[attr] = {"alpha_s": link.alpha_s, "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s}
+            if link.table:
+                out[attr]["table"] = {op: {str(n): [[b, t] for b, t in zip(*pts)] for n, pts in sorted(rows.items())}
+                                      for op, rows in link.table.items()}
         return out
 
 
@@ -184,8 +226,9 @@ def dissemination_barrier(n: int, nbytes: int, link: LinkClass) -> float:
 
 
 def p2p_cost(nbytes: int, link: LinkClass) -> float:
-    """One point-to-point message: ``alpha + bytes * beta``."""
-    return link.alpha_s + nbytes * link.beta_s_per_byte
+    """One point-to-point message: the link's measured ``send`` row, else ``alpha + bytes * beta``."""
+    t = link.tabled("send", 2, nbytes) if link.table else None
+    return link.alpha_s + nbytes * link.beta_s_per_byte if t is None else t
 
 
 _COST = {
@@ -198,8 +241,9 @@ _COST = {
 }
 
 
-def collective_cost(op: str, n: int, nbytes: int, link: LinkClass) -> float:
-    """Seconds collective ``op`` over ``n`` ranks and ``nbytes`` takes on ``link``."""
+def _model_cost(op: str, n: int, nbytes: int, link: LinkClass) -> float:
+    if op == "send":
+        return link.alpha_s + nbytes * link.beta_s_per_byte
     try:
         fn = _COST[op]
     except KeyError:
@@ -207,6 +251,31 @@ def collective_cost(op: str, n: int, nbytes: int, link: LinkClass) -> float:
             f"unknown collective {op!r}; the cost model knows {', '.join(COLLECTIVES)}"
         ) from None
     return fn(n, nbytes, link)
+
+
+def collective_cost(op: str, n: int, nbytes: int, link: LinkClass) -> float:
+    """Seconds collective ``op`` over ``n`` ranks and ``nbytes`` takes on ``link``: its
+    measured table where it has one for ``op``, the alpha-beta model otherwise."""
+    if op not in _COST:
+        raise TopologyError(f"unknown collective {op!r}; the cost model knows {', '.join(COLLECTIVES)}")
+    t = link.tabled(op, n, nbytes) if link.table else None
+    return _model_cost(op, n, nbytes, link) if t is None else t
+
+
+def interpolate(sizes: Sequence[int], seconds: Sequence[float], nbytes: int) -> float:
+    """Piecewise-linear cost at ``nbytes`` through the measured ``(sizes, seconds)`` points
+    (ascending sizes): flat below the first point, the last segment's slope (never negative)
+    beyond the last."""
+    if nbytes <= sizes[0]:
+        return float(seconds[0])
+    i = bisect.bisect_left(sizes, nbytes)
+    if i < len(sizes):
+        if sizes[i] == nbytes:
+            return float(seconds[i])
+        x0, x1, y0, y1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
+        return float(y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0))
+    x0, x1, y0, y1 = sizes[-2], sizes[-1], seconds[-2], seconds[-1]
+    return float(y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (nbytes - x1))
 
 
 # ---------------------------------------------------------------------- loading
@@ -240,13 +309,40 @@ def _link(source: str, attr: str, data: Any) -> LinkClass:
         raise TopologyError(
             f"{source}: {attr}({data!r}) must be a table with keys {', '.join(_LINK_KEYS)}"
         )
-    _check_keys(f"{source}: {attr}", data, _LINK_KEYS, _LINK_KEYS)
+    _check_keys(f"{source}: {attr}", data, _LINK_KEYS + _LINK_OPTIONAL, _LINK_KEYS)
     return LinkClass(
         attr,
         _check_number(f"{source}: {attr}.alpha_s", data["alpha_s"], "seconds", allow_zero=True),
         _check_number(f"{source}: {attr}.bandwidth_bytes_per_s", data["bandwidth_bytes_per_s"],
                       "bytes per second", allow_zero=False),
+        _table(f"{source}: {attr}.table", data.get("table", {})),
     )
+
+
+def _table(where: str, data: Any) -> Dict[str, Dict[int, Tuple[Tuple[int, ...], Tuple[float, ...]]]]:
+    """A link's measured table from its file form; every error names the entry and what it expects."""
+    if not isinstance(data, Mapping):
+        raise TopologyError(f"{where}({str(data)[:60]}) must be a table {{op: {{group size: [[bytes, seconds], ...]}}}}")
+    out: Dict[str, Dict[int, Tuple[Tuple[int, ...], Tuple[float, ...]]]] = {}
+    for op, rows in data.items():
+        if op not in TABLE_OPS:
+            raise TopologyError(f"{where}: unknown operation {op!r}; expected one of {', '.join(TABLE_OPS)}")
+        if not isinstance(rows, Mapping) or not rows:
+            raise TopologyError(f"{where}.{op}({str(rows)[:60]}) must be a non-empty table {{group size: points}}")
+        out[op] = {}
+        for n, pts in rows.items():
+            if not (isinstance(n, str) and n.isdigit() and int(n) >= 2):
+                raise TopologyError(f"{where}.{op}: group size {n!r} must be an integer >= 2 (as a string key)")
+            w = f"{where}.{op}[{n}]"
+            if not (isinstance(pts, list) and len(pts) >= 2 and all(isinstance(p, list) and len(p) == 2 for p in pts)):
+                raise TopologyError(f"{w}({str(pts)[:60]}) must be >= 2 points [bytes, seconds]")
+            sizes = [p[0] for p in pts]
+            if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in sizes) or \
+                    any(b >= c for b, c in zip(sizes, sizes[1:])):
+                raise TopologyError(f"{w}: sizes {sizes[:8]} must be integers >= 0, strictly ascending")
+            secs = tuple(_check_number(f"{w} at {b} bytes", p[1], "seconds", allow_zero=False) for b, p in zip(sizes, pts))
+            out[op][int(n)] = (tuple(sizes), secs)
+    return out
 
 
 def from_dict(data: Any, source: str = "<dict>") -> Topology:

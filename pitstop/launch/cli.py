@@ -143,6 +143,16 @@ def _parser(more: Optional[Callable] = None) -> argparse.ArgumentParser:
                     help="skip the memory phase (the real ranks' peak tensor bytes; one more run of the script)")
     em.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS... (give the script the same --tp/--pp)")
 
+    ca = sub.add_parser("calibrate", help="measure this machine's collective costs into a topology file "
+                                          "(per operation, group size and message size; for `pitstop emulate --topology`)")
+    ca.add_argument("--out", required=True, help="the topology JSON to write")
+    ca.add_argument("--name", default="cpu-gloo-calibrated", help="the topology's name (default cpu-gloo-calibrated)")
+    ca.add_argument("--group-sizes", default="2", metavar="N,N,...", help="world sizes to measure, each >= 2 (default 2)")
+    ca.add_argument("--sizes", default=None, metavar="B,B,...",
+                    help="message sizes in bytes (default 4 KiB to 16 MiB, every 4x)")
+    ca.add_argument("--repeats", type=_count(1), default=20, help="timed repetitions per (op, size); the median is kept")
+    ca.add_argument("--gpus-per-node", type=_count(1), default=8)
+
     return p
 
 
@@ -179,7 +189,43 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "emulate":
         return _emulate(args)
+    if args.cmd == "calibrate":
+        return _calibrate(args)
     raise PitstopError(f"unknown command {args.cmd!r}")
+
+
+def _int_list(flag: str, text: str, lo: int) -> List[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PitstopError(f"{flag} {text!r}: expected comma-separated integers >= {lo}") from None
+    if not out or min(out) < lo:
+        raise PitstopError(f"{flag} {text!r}: expected comma-separated integers >= {lo}")
+    return out
+
+
+def _calibrate(args) -> int:
+    import json
+    import shlex
+
+    from pitstop.emulation.calibrate import TABLE_SIZES, calibrate_topology
+
+    groups = _int_list("--group-sizes", args.group_sizes, 2)
+    sizes = _int_list("--sizes", args.sizes, 4) if args.sizes else list(TABLE_SIZES)
+    if len(set(sizes)) < 2:
+        raise PitstopError(f"--sizes {args.sizes!r}: expected >= 2 distinct sizes")
+    command = (f"pitstop calibrate --out {shlex.quote(args.out)} --name {shlex.quote(args.name)} --group-sizes "
+               f"{','.join(map(str, groups))} --sizes {','.join(map(str, sizes))} --repeats {args.repeats} "
+               f"--gpus-per-node {args.gpus_per_node}")
+    data = calibrate_topology(args.name, groups, sizes, args.repeats, args.gpus_per_node, command)
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    for op, rows in data["intra_node"]["table"].items():
+        for n, pts in rows.items():
+            print(f"{op:15s} n={n:>3s}  " + "  ".join(f"{b}B {t * 1e3:.3f}ms" for b, t in pts))
+    print(f"wrote {args.out}")
+    return 0
 
 
 def _emulate(args) -> int:
