@@ -567,10 +567,13 @@ def _run(args: argparse.Namespace, t0: float) -> int:
         session, data = None, make_data(1)
         steps, commit = range(1, args.steps + 1), (lambda step, out: [(step, out)])
 
+    plain_iter_s: list[float] = []  # without pitstop: the loop body's time, as pitstop's session measures it
     for step in steps:
         ts = time.perf_counter()
         out = train_step(args, model, optimizer, session.data if session else data)
         out["generation"] = session.gen if session else 0
+        if session is None:
+            plain_iter_s.append(time.perf_counter() - ts)
         # pitstop's iteration boundary: the steps it made final, with their outputs (none when the
         # step was discarded, or is held until the next vote with --commit-interval > 1)
         final = commit(step, out)
@@ -610,7 +613,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
             "first_iter_s": round(session.iter_s[0], 4) if session and session.iter_s else None,
             "median_iter_s": round(sorted(session.iter_s[1:])[len(session.iter_s[1:]) // 2], 4)
             if session and len(session.iter_s) > 1 else None,
-            "iter_s": [round(x, 6) for x in session.iter_s] if session else [],
+            "iter_s": [round(x, 6) for x in (session.iter_s if session else plain_iter_s)],
             "boundary_s": [[st, round(x, 6)] for st, x in session.boundary_s] if session else [],
         }), flush=True)
     if is_logging_rank():

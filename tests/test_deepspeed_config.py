@@ -44,11 +44,12 @@ def test_every_key_has_its_default(key):
 
 
 def test_the_defaults_are_exactly_the_documented_keys():
-    assert {f.name for f in dataclasses.fields(PitstopSection)} == set(DEFAULTS)
+    # ``given`` is bookkeeping (which keys the config wrote), not a key
+    assert {f.name for f in dataclasses.fields(PitstopSection)} - {"given"} == set(DEFAULTS)
 
 
 def test_defaults_match_the_runtime_config():
-    rc = PitstopSection().runtime_config()
+    rc = PitstopSection().runtime_config(env={})
     assert rc == RuntimeConfig()
 
 
@@ -74,10 +75,28 @@ def test_emulation_topology_defaults_to_the_loopback_model():
 def test_runtime_config_mapping_keeps_what_the_section_does_not_carry():
     sect = parse_section({"heartbeat_interval": 0.2, "heartbeat_timeout": 2, "collective_timeout": 30,
                           "buddy": False, "warmup": False, "hold_for_warm": 7, "commit_interval": 8})
-    rc = sect.runtime_config(RuntimeConfig(save_interval=5, save_dir="/ckpt"))
+    rc = sect.runtime_config(RuntimeConfig(save_interval=5, save_dir="/ckpt"), env={})
     assert rc == RuntimeConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, collective_timeout_s=30.0,
                                buddy=False, save_interval=5, save_dir="/ckpt", warmup=False, hold_for_warm_s=7.0,
                                commit_interval=8)
+
+
+def test_launch_flags_win_over_the_section_and_its_defaults_never_override_them():
+    """``pitstop launch --no-warmup --hold-for-warm 600`` reaches the worker as ``PITSTOP_*``
+    variables (the launcher merged the section under its flags). The section's *defaults* used to
+    be written over them at ``initialize``: a "cold" standby warmed up and training never held.
+    Now a section key applies only where the config wrote it and the launcher passed nothing."""
+    launched = RuntimeConfig(warmup=False, hold_for_warm_s=600.0, commit_interval=4)
+    env = launched.to_env()
+    # no section at all, or one that writes other keys: the launcher's values stay
+    assert parse_section({}).runtime_config(launched, env=env) == launched
+    assert parse_section({"buddy": False}).runtime_config(launched, env=env) == launched
+    # a key the section wrote, which the launcher also passed: the launcher's (its flags won there)
+    assert parse_section({"warmup": True, "hold_for_warm": 1}).runtime_config(launched, env=env) == launched
+    # a plain torchrun start (no launcher variables): the keys the section wrote, defaults elsewhere
+    rc = parse_section({"warmup": False, "commit_interval": 3}).runtime_config(RuntimeConfig(), env={})
+    assert rc == RuntimeConfig(warmup=False, commit_interval=3)
+    assert parse_section({"warmup": False}).given == frozenset({"warmup"})
 
 
 # -------------------------------------------------------------------------- errors

@@ -57,10 +57,13 @@ def add_benchmarks(bsub) -> None:
                    help="steps per job (the kill is at step 3; the rest give the joiner's steady iteration)")
     w.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager,compiled")
     w.add_argument("--run-dir", default="runs/bench-warmup")
-    e = bsub.add_parser("emulation", help="emulation fidelity (TP2/PP2/DP2 at world 2 vs real runs) and scale (world 8192)")
+    e = bsub.add_parser("emulation", help="emulation fidelity (world 2: emulated vs repeated plain torchrun runs, "
+                                          "network from pitstop calibrate) and scale (world 8192)")
     e.add_argument("--json", action="store_true")
     e.add_argument("--steps", type=_count(2), default=10, help="steps per run (the first is left out of the medians)")
-    e.add_argument("--configs", default="tp2,pp2,dp2", help="comma-separated subset of tp2,pp2,dp2 (empty: none)")
+    e.add_argument("--configs", default="tp2,pp2,dp2,tp2-deep",
+                   help="comma-separated subset of tp2,pp2,dp2,tp2-deep (empty: none)")
+    e.add_argument("--repeats", type=_count(1), default=5, help="plain torchrun runs per config (median and spread)")
     e.add_argument("--no-scale", action="store_true", help="skip the world-8192 row")
     e.add_argument("--run-dir", default="runs/bench-emulation")
     mc = bsub.add_parser("machines", help="a machine failure and a host drain on 4+1 machines (one launch each) "
@@ -170,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cmd == "bench" and args.bench == "emulation":
         from pitstop.bench.emulation import main as bench_emulation
 
-        out = bench_emulation(args.run_dir, args.steps, args.configs, not args.no_scale)
+        out = bench_emulation(args.run_dir, args.steps, args.configs, not args.no_scale, args.repeats)
         print(json.dumps(out) if args.json else json.dumps(out, indent=2))
         return 0
     if args.cmd == "demo":

@@ -26,8 +26,8 @@ import copy
 import json
 import math
 import os
-from dataclasses import MISSING, dataclass, fields
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
 
 from pitstop.errors import ConfigError
 
@@ -79,28 +79,37 @@ class PitstopSection:
     commit_interval: int = 1
     """Vote and take the rollback point every K steps (1: every step). Between votes a boundary costs
     nothing; a failure then redoes the steps since the last vote (at most K, bitwise)."""
+    given: FrozenSet[str] = field(default=frozenset(), compare=False, repr=False)
+    """The keys the config wrote (the rest are defaults)."""
 
-    def runtime_config(self, base: Optional[Any] = None):
+    def runtime_config(self, base: Optional[Any] = None, env: Optional[Mapping[str, str]] = None):
         """This section as the worker runtime's :class:`pitstop.runtime.config.RuntimeConfig`.
 
-        Settings the section does not carry (``save_interval``, ``save_dir``) come from ``base``
-        (default: ``RuntimeConfig()``). ``standby`` and ``emulation`` are the launcher's business
-        and have no runtime counterpart.
+        Precedence, as ``pitstop launch`` promises (explicit launch flags win): a setting the
+        launcher passed (its ``PITSTOP_*`` variable is in ``env``, default ``os.environ``; the
+        launcher already merged this section under its flags) stays as ``base`` has it; else a
+        key the section wrote applies; else ``base``'s value (default: ``RuntimeConfig()``).
+        Without that, the section's defaults overrode ``--no-warmup`` and ``--hold-for-warm``.
+        ``standby`` and ``emulation`` are the launcher's business and have no runtime counterpart.
         """
         from dataclasses import replace
 
         from pitstop.runtime.config import RuntimeConfig
 
-        return replace(
-            base if base is not None else RuntimeConfig(),
-            heartbeat_interval_s=float(self.heartbeat_interval),
-            heartbeat_timeout_s=float(self.heartbeat_timeout),
-            collective_timeout_s=float(self.collective_timeout),
-            buddy=self.buddy,
-            warmup=self.warmup,
-            hold_for_warm_s=float(self.hold_for_warm),
-            commit_interval=self.commit_interval,
-        )
+        env = os.environ if env is None else env
+        base = base if base is not None else RuntimeConfig()
+        mine = {
+            "heartbeat_interval": ("heartbeat_interval_s", float(self.heartbeat_interval)),
+            "heartbeat_timeout": ("heartbeat_timeout_s", float(self.heartbeat_timeout)),
+            "collective_timeout": ("collective_timeout_s", float(self.collective_timeout)),
+            "buddy": ("buddy", self.buddy),
+            "warmup": ("warmup", self.warmup),
+            "hold_for_warm": ("hold_for_warm_s", float(self.hold_for_warm)),
+            "commit_interval": ("commit_interval", self.commit_interval),
+        }
+        over = {name: value for key, (name, value) in mine.items()
+                if key in self.given and "PITSTOP_" + name.upper() not in env}
+        return replace(base, **over)
 
 
 # ---------------------------------------------------------------------------- checks
@@ -157,7 +166,7 @@ def _mapping(path: str, v: Any) -> Mapping[str, Any]:
     return v
 
 
-_SECTION_KEYS = [f.name for f in fields(PitstopSection)]
+_SECTION_KEYS = [f.name for f in fields(PitstopSection) if f.name != "given"]
 _EMULATION_KEYS = [f.name for f in fields(EmulationSection)]
 
 
@@ -216,7 +225,7 @@ def parse_section(values: Optional[Mapping[str, Any]], path: str = SECTION) -> P
                                  "an integer >= 1 (1: vote at every step)")
     if values.get("emulation") is not None:
         kw["emulation"] = _parse_emulation(f"{path}.emulation", values["emulation"])
-    return PitstopSection(**kw)
+    return PitstopSection(**kw, given=frozenset(values))
 
 
 # ------------------------------------------------------------------- whole configs
@@ -411,6 +420,8 @@ def keys_table() -> str:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     d = PitstopSection()
     for f in fields(PitstopSection):
+        if f.name == "given":  # bookkeeping, not a key
+            continue
         rows.append(f"| `{SECTION}.{f.name}` | {_TYPES[f.name]} | {_default(getattr(d, f.name))} | "
                     f"{_doc(PitstopSection, f.name)} |")
     for f in fields(EmulationSection):
