@@ -155,7 +155,8 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
     warmed = [e for e in unplanned.of("warmed") if e.get("ok")]
     cls = (warmed[0]["classes"] or [{}])[0] if warmed else {}
     out["breakdown"]["warmup"] = {
-        "joiner_warm": rep.get("warm"), "cold_joiner_s": rep_cold.get("downtime_s"), "warm_joiner_s": rep.get("downtime_s"),
+        "joiner_warm": rep.get("warm"), "cold_joiner_warm": rep_cold.get("warm"),
+        "cold_joiner_s": rep_cold.get("downtime_s"), "warm_joiner_s": rep.get("downtime_s"),
         "state_cold_s": rep_cold.get("state_s"), "state_warm_s": rep.get("state_s"),
         "built_cold_s": rep_cold.get("joiner_built_s"), "built_warm_s": rep.get("joiner_built_s"),
         "first_iter_cold_s": rep_cold.get("first_iter_s"), "first_iter_warm_s": rep.get("first_iter_s"),
