@@ -59,21 +59,23 @@ def torchrun(run_dir: Path, argv: List[str], nproc: int, timeout: float) -> Dict
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "torchrun.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    # each rank's output to a file of its own (--log-dir, --redirects 3): interleaved lines would mix
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(nproc), *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
-                              timeout=timeout)
-    text = log.read_text()
+                               str(nproc), "--log-dir", str(run_dir / "ranks"), "--redirects", "3", *argv],
+                              cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+    outs = sorted((run_dir / "ranks").rglob("stdout.log"))
     if proc.returncode != 0:
         from pitstop.errors import PitstopError
 
-        raise PitstopError(f"torchrun {' '.join(argv)} exited {proc.returncode}:\n{text[-3000:]}")
+        tails = "".join(f"--- {p}\n{p.read_text()[-1500:]}" for p in sorted((run_dir / "ranks").rglob("std*.log")))
+        raise PitstopError(f"torchrun {' '.join(argv)} exited {proc.returncode}:\n{log.read_text()[-1500:]}{tails}")
     out: Dict[int, Dict[str, Any]] = {}
-    for line in text.splitlines():
-        at = line.find('{"rank"')
-        if at >= 0:
-            rec = json.loads(line[at:])
-            out[rec["rank"]] = rec
+    for path in outs:
+        for line in path.read_text().splitlines():
+            if line.startswith('{"rank"'):
+                rec = json.loads(line)
+                out[rec["rank"]] = rec
     return out
 
 

@@ -183,6 +183,9 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
     torch.set_num_threads(1)
+    # torch 2.13 renamed the tensor forms (the old names warn); the same gloo operations
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=120))
     try:
@@ -213,9 +216,9 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
                     if op == "all_reduce":
                         dist.all_reduce(full)
                     elif op == "all_gather":  # ``size`` is the output buffer, as the cost model counts it
-                        dist.all_gather_into_tensor(full[: part.numel() * n], part)
+                        gather(full[: part.numel() * n], part)
                     elif op == "reduce_scatter":  # ``size`` is the input buffer
-                        dist.reduce_scatter_tensor(part, full[: part.numel() * n])
+                        scatter(part, full[: part.numel() * n])
                     elif op == "broadcast":
                         dist.broadcast(full, 0)
                     t1 = time.perf_counter()
