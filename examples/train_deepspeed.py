@@ -383,15 +383,6 @@ def _peak_tensor_bytes():
     return memory.peak_bytes()
 
 
-def _rss_bytes() -> int:
-    """Resident memory now (Linux), to compare a worker with a warmed standby."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     args = parse_args(argv)
@@ -434,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f.write(line + "\n")
     digest = checksum(engine)
     if args.checksum:
+        from pitstop.runtime.sandbox import rss_bytes  # resident memory now, beside a warmed standby's
+
         print(json.dumps({"rank": rank, "param_sha256": state_checksum(engine), "model_sha256": digest,
                           "dtypes": dtypes(engine), "zero_stage": args.zero_stage,
                           "steps_committed": session.steps_committed if session else args.steps,
@@ -441,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "hook_s": round(session.hook_s, 4) if session else 0.0,
                           "buddy_s": round(session.buddy_s, 4) if session else 0.0,
                           "buddy_bytes": session.buddy.nbytes if session and session.buddy else 0,
-                          "peak_tensor_bytes": _peak_tensor_bytes(), "rss_bytes": _rss_bytes()}), flush=True)
+                          "peak_tensor_bytes": _peak_tensor_bytes(), "rss_bytes": rss_bytes()}), flush=True)
     if rank == 0:
         print(json.dumps({"checksum": digest, "zero_stage": args.zero_stage, "setup_s": round(t_setup, 2),
                           "total_s": round(time.perf_counter() - t0, 2)}), flush=True)

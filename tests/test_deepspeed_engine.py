@@ -476,20 +476,36 @@ if __name__ == "__main__":
     sys.exit(f"usage: {sys.argv[0]} --walk OUT_DIR")
 
 
-_FIRST_BUILD = r"""
+#: The start of every one-process DeepSpeed script below: a world of 1 on gloo, the example importable
+#: as ``T`` (``sys.argv[1]`` is its folder), DeepSpeed imported with its CPU patch.
+_WORLD1 = r"""
 import json, os, sys
 os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1",
                   LOCAL_RANK="0")
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import train_deepspeed as T
-from pitstop.integrations.deepspeed import preimport
 from pitstop.patches import deepspeed_cpu
 import deepspeed
 deepspeed_cpu.apply()
-done = preimport() if sys.argv[2] == "pre" else []
 store = dist.TCPStore("127.0.0.1", 0, 1, True)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+"""
+
+
+def _world1(script: str, *argv: str) -> dict:
+    """Run ``_WORLD1 + script`` in a fresh process (as a joiner is one); its last stdout line, as JSON."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _WORLD1 + script, str(ROOT / "examples"), *argv], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240, env={**os.environ, **ENV})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+_FIRST_BUILD = r"""
+from pitstop.integrations.deepspeed import preimport
+done = preimport() if sys.argv[2] == "pre" else []
 args = T.parse_args(["--zero-stage", "2"])
 model = T.build_model(args)
 before = set(sys.modules)
@@ -504,35 +520,16 @@ def test_a_first_engine_build_after_preimport_imports_almost_nothing():
     ``torch.compile`` pulls in inductor). ``preimport`` takes them before the standby joins.
     Counted, not timed: without it the first ``deepspeed.initialize`` imports hundreds of
     modules; with it, few. This fails loudly when a DeepSpeed upgrade adds another lazy import."""
-    import subprocess
-
-    def run(mode):
-        out = subprocess.run([sys.executable, "-c", _FIRST_BUILD, str(ROOT / "examples"), mode], cwd=ROOT,
-                             capture_output=True, text=True, timeout=240, env={**os.environ, **ENV})
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    cold, warm = run("cold"), run("pre")
+    cold, warm = _world1(_FIRST_BUILD, "cold"), _world1(_FIRST_BUILD, "pre")
     assert warm["preimported"] == ["torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"], warm
     assert cold["new_modules"] > 300, cold  # the premise: the lazy imports are many
     assert warm["new_modules"] < 50, (warm, cold)
 
 
 _TRACE = r"""
-import json, os, sys
-os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1",
-                  LOCAL_RANK="0")
-import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-import train_deepspeed as T
 from pitstop.errors import RecoveryError
 from pitstop.integrations.deepspeed import set_zero3_trace, zero3_trace
-from pitstop.patches import deepspeed_cpu
-import deepspeed
 import deepspeed.runtime.zero.partitioned_param_coordinator as ppc
-deepspeed_cpu.apply()
-store = dist.TCPStore("127.0.0.1", 0, 1, True)
-dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 args = T.parse_args(["--zero-stage", "3"])
 model = T.build_model(args)
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=T.ds_config(args))
@@ -571,13 +568,8 @@ def test_zero3s_trace_is_handed_over_by_position_and_spares_the_recording():
     its next step with no recording check; one taken after step 1 (recording) completes at the
     next step into the same trace a 3-step run has. A trace that names a module the model does
     not have is refused and leaves the coordinator as it was."""
-    import subprocess
-
     def run(*argv):
-        out = subprocess.run([sys.executable, "-c", _TRACE, str(ROOT / "examples"), *argv], cwd=ROOT,
-                             capture_output=True, text=True, timeout=240, env={**os.environ, **ENV})
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return _world1(_TRACE, *argv)
 
     fresh = run("dump", "1")
     assert fresh["trace"]["mode"] == "record" and fresh["checks"] == 1, fresh  # the counter sees DeepSpeed's check
@@ -595,18 +587,7 @@ def test_zero3s_trace_is_handed_over_by_position_and_spares_the_recording():
 
 
 _IDS = r"""
-import json, os, sys
-os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1",
-                  LOCAL_RANK="0")
-import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-import train_deepspeed as T
 from pitstop.integrations.deepspeed import set_zero3_id_counters, zero3_id_counters
-from pitstop.patches import deepspeed_cpu
-import deepspeed
-deepspeed_cpu.apply()
-store = dist.TCPStore("127.0.0.1", 0, 1, True)
-dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 args = T.parse_args(["--zero-stage", "3"])
 
 def ids():
@@ -633,12 +614,7 @@ def test_zero3s_id_counters_put_back_make_the_next_engine_number_its_model_as_a_
     it joined at step 2. The sandbox's teardown puts the counters back; here, a second engine in
     one process numbers its model differently (the premise), and one built after the counters
     were put back numbers it exactly as the first. Fails loudly if DeepSpeed moves the counters."""
-    import subprocess
-
-    out = subprocess.run([sys.executable, "-c", _IDS, str(ROOT / "examples")], cwd=ROOT, capture_output=True,
-                         text=True, timeout=240, env={**os.environ, **ENV})
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _world1(_IDS)
     assert r["moved"][0] > r["before"][0] and r["moved"][1] > r["before"][1], r
     assert r["second"] != r["first"], r  # the premise: a second engine numbers its model anew
     assert r["third"] == r["first"], r

@@ -37,7 +37,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -89,9 +89,8 @@ class LinkClass:
             return interpolate(*rows[n], nbytes)
         near = min(rows, key=lambda m: (abs(m - n), m))
         base = interpolate(*rows[near], nbytes)
-        plain = replace(self, table={})
-        den = _model_cost(op, near, nbytes, plain)
-        return base if den <= 0 else base * _model_cost(op, n, nbytes, plain) / den
+        den = _model_cost(op, near, nbytes, self)  # the line alone: _model_cost never reads the table
+        return base if den <= 0 else base * _model_cost(op, n, nbytes, self) / den
 
 
 @dataclass(frozen=True)

@@ -156,12 +156,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     from pitstop.patches import deepspeed_cpu
 
     deepspeed_cpu.apply()  # no JIT build of the shm op on CPU; no-op with CUDA
-    from pitstop.runtime import sandbox, worker
+    from pitstop.runtime import worker
     from pitstop.runtime.config import RuntimeConfig
 
     # inside a standby's sandboxed warmup (``warmup`` calling back into this function) the
     # process has no membership yet: the world is the virtual one the sandbox set up
-    sandboxed = sandbox.active() is not None
+    sandboxed = _sandbox.active() is not None
     m = None if sandboxed else worker.current()
     if m is None and not sandboxed:
         m = worker.join(sect.runtime_config(RuntimeConfig.from_env()), warmup)
@@ -198,7 +198,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                             timeout=timedelta(seconds=timeout_s), gloo_twins=False,
                             deferred=worker.defers_groups())
         # rank 0 of a fresh controlled job records its set-up and step 1 for standbys to replay
-        sandbox.maybe_start_recording(layout, dist.get_rank(), m)
+        _sandbox.maybe_start_recording(layout, dist.get_rank(), m)
         reg.build()
         if emulation.active():
             emulation.groups_ready(len(reg.entries()))
