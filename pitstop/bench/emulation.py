@@ -24,6 +24,14 @@ adds to the paced step beyond the replayed iteration (the paced step returns at 
 replayed times, so any excess is the emulator's own cost); ``late_ops``/``late_total_s``
 count the operations whose real arrival came after their replayed end, and by how much;
 ``emulator_rss_bytes`` is the real rank's peak resident memory in the paced phase, model included.
+With a calibrated topology it also carries ``predicted_failure``: ``pitstop emulate --fault
+rank=0,step=4`` at 8192 ranks (no real run of that size exists here to compare with).
+
+**Failure** (world 2, dp2): ``pitstop emulate --fault rank=1,step=4`` predicts the downtime of
+a warmed standby replacing rank 1 (:mod:`pitstop.emulation.failure`), with the detection and
+planning times of one real ``pitstop launch`` replacement (the costs run) and everything else
+from the calibration and the emulated rank. It is compared with further real replacements of
+the same kill that the prediction never saw (median, spread).
 """
 
 from __future__ import annotations
@@ -111,14 +119,90 @@ def fidelity_row(run_dir: Path, config: str, steps: int, timeout: float, topolog
     }
 
 
-def scale_row(run_dir: Path, steps: int, timeout: float) -> Dict[str, Any]:
+#: The replacement both sides of the failure row meet: world 2 (dp2), rank 1 killed in step 4's backward.
+FAULT = {"world_size": 2, "rank": 1, "step": 4, "phase": "backward"}
+FAULT_REPEATS = 3
+
+
+def _replacement(run_dir: Path, steps: int, timeout: float) -> Dict[str, Any]:
+    """A real ``pitstop launch`` of the world-2 job with a warmed standby, rank 1 SIGKILLed in
+    step 4; returns the controller's ``replaced`` event, with the losses checked against nothing
+    (the fidelity rows check losses; this row times)."""
+    from pitstop.errors import PitstopError
+    from pitstop.launch.runs import run_job
+    from pitstop.runtime.faults import Fault
+
+    kill = Fault.kill(rank=FAULT["rank"]).at(step=FAULT["step"], phase=FAULT["phase"])
+    res = run_job(run_dir, steps, standby=1, faults=kill.spec(), nproc=FAULT["world_size"], timeout=timeout,
+                  gpt=["examples/train_gpt.py", "--checksum", "--pin-core"], launch_args=["--hold-for-warm", "600"])
+    ev = (res.of("replaced") or [None])[0]
+    if res.code != 0 or ev is None or ev.get("downtime_s") is None:
+        raise PitstopError(f"the real replacement in {run_dir} did not happen (exit {res.code}, event {ev}):\n{res.tails()}")
+    # the faulted role's own shard as the runtime packed it (the distributed optimizer's shards differ by rank)
+    ev["buddy_bytes"] = next((s.get("buddy_bytes") for s in res.stats if s.get("rank") == FAULT["rank"]), None)
+    return ev
+
+
+def failure_row(run_dir: Path, steps: int, timeout: float, topology: str,
+                repeats: int = FAULT_REPEATS) -> Dict[str, Any]:
+    """``pitstop emulate --fault`` against real replacements of the same fault that it never saw.
+
+    The control plane's detection and planning come from one real replacement (the costs run);
+    the prediction is compared with ``repeats`` further real replacements (median; spread)."""
+    from pitstop.emulation.failure import FaultSpec, RecoveryCosts
+    from pitstop.launch.events import EVENTS
+
+    d = run_dir / "failure"
+    costs_ev = _replacement(d / "costs", steps, timeout)
+    costs = RecoveryCosts.from_dict(costs_ev, source=str(d / "costs" / EVENTS))
+    argv = [SCRIPT, "--steps", str(steps), "--pin-core"]
+    report = emulate(EmulateSpec(FAULT["world_size"], 1, 1, [FAULT["rank"]], argv, d / "emulate", topology=topology,
+                                 timeout_s=timeout, memory=False, fault=FaultSpec(FAULT["rank"], FAULT["step"]),
+                                 recovery_costs=costs))
+    pred = report["failure"]
+    reals = [_replacement(d / f"real-{i}", steps, timeout) for i in range(repeats)]
+    times = [e["downtime_s"] for e in reals]
+    real = statistics.median(times)
+    mid = reals[times.index(real)] if real in times else reals[0]
+    err = 100 * (pred["predicted_downtime_s"] - real) / real
+    keys = ("detect_s", "plan_s", "groups_s", "joiner_built_s", "state_s", "first_step_s")
+    return {
+        "world_size": FAULT["world_size"],
+        "fault": f"rank={FAULT['rank']},step={FAULT['step']} ({FAULT['phase']}), warmed standby",
+        "predicted_downtime_s": pred["predicted_downtime_s"],
+        "real_downtime_s": round(real, 4),
+        "real_runs_s": times,
+        "real_spread_pct": round(100 * (max(times) - min(times)) / real, 3),
+        "error_pct": round(abs(err), 3),
+        "signed_error_pct": round(err, 3),
+        "predicted_breakdown": pred["breakdown"],
+        "real_breakdown": {k: mid.get(k) for k in keys},
+        "real_warm": all(e.get("warm") for e in reals),
+        "groups_rebuilt": pred["groups_rebuilt"],
+        "state_bytes": pred["state_bytes"],
+        "real_buddy_bytes": mid.get("buddy_bytes"),
+        "costs_from": {"detect_s": costs.detect_s, "plan_s": costs.plan_s,
+                       "run": "a separate real replacement of the same job, before the emulation"},
+    }
+
+
+def scale_row(run_dir: Path, steps: int, timeout: float, topology: Optional[str] = None,
+              costs: Optional[Any] = None) -> Dict[str, Any]:
+    """The world-8192 emulation; with ``topology`` (a calibrated one) and ``costs``, also the
+    predicted downtime of a standby replacing its real rank 0 in step 4."""
+    from pitstop.emulation.failure import FaultSpec
+
     world, tp, pp = 8192, 8, 8
     argv = [SCRIPT, "--tp", str(tp), "--pp", str(pp), "--num-layers", str(pp), "--num-heads", "8",
             "--steps", str(steps), "--pin-core"]
     t0 = time.perf_counter()
-    report = emulate(EmulateSpec(world, tp, pp, [0], argv, run_dir / "scale", timeout_s=timeout))
+    fault = FaultSpec(0, FAULT["step"]) if costs is not None else None
+    report = emulate(EmulateSpec(world, tp, pp, [0], argv, run_dir / "scale", timeout_s=timeout,
+                                 topology=topology or "cpu-gloo-loopback", fault=fault, recovery_costs=costs))
     r = report["ranks"][0]
     return {
+        "topology": report["topology"],
+        "predicted_failure": report.get("failure"),
         "config": f"world {world} tp{tp} pp{pp} dp{world // tp // pp}, real rank 0",
         "setup_s": r["init"]["init_s"],
         "setup_rss_bytes": r["init"]["init_rss_bytes"],
@@ -140,7 +224,7 @@ def scale_row(run_dir: Path, steps: int, timeout: float) -> Dict[str, Any]:
 
 
 def run(run_dir: Path, steps: int = 10, configs: Sequence[str] = tuple(CONFIGS), scale: bool = True,
-        timeout: float = 900.0, repeats: int = REPEATS) -> Dict[str, Any]:
+        timeout: float = 900.0, repeats: int = REPEATS, failure: bool = True) -> Dict[str, Any]:
     run_dir = Path(run_dir)
     t0 = time.perf_counter()
     out: Dict[str, Any] = {}
@@ -165,8 +249,15 @@ def run(run_dir: Path, steps: int = 10, configs: Sequence[str] = tuple(CONFIGS),
             # the goal can be told from noise only where the real runs agree more closely than it
             "goal_measurable": floor <= GOALS["avg_error_pct"],
         }
+    costs = None
+    if configs and failure:
+        from pitstop.emulation.failure import RecoveryCosts
+
+        f = failure_row(run_dir, steps, timeout, str(topo))
+        out["failure"] = f
+        costs = RecoveryCosts(f["costs_from"]["detect_s"], f["costs_from"]["plan_s"], "the failure row's costs run")
     if scale:
-        s = scale_row(run_dir, steps, timeout)
+        s = scale_row(run_dir, steps, timeout, str(topo) if configs else None, costs)
         s["goal_overhead_pct"] = GOALS["overhead_pct"]
         s["overhead_met"] = s["overhead_pct"] <= GOALS["overhead_pct"]
         out["scale"] = s
@@ -175,11 +266,12 @@ def run(run_dir: Path, steps: int = 10, configs: Sequence[str] = tuple(CONFIGS),
     return out
 
 
-def main(run_dir: str, steps: int, configs: Optional[str], scale: bool, repeats: int = REPEATS) -> Dict[str, Any]:
+def main(run_dir: str, steps: int, configs: Optional[str], scale: bool, repeats: int = REPEATS,
+         failure: bool = True) -> Dict[str, Any]:
     names = [c for c in (",".join(CONFIGS) if configs is None else configs).split(",") if c]
     bad = [c for c in names if c not in CONFIGS]
     if bad:
         from pitstop.errors import ConfigError
 
         raise ConfigError(f"--configs: unknown {bad}; expected a subset of {','.join(CONFIGS)}")
-    return run(Path(run_dir), steps, names, scale, repeats=repeats)
+    return run(Path(run_dir), steps, names, scale, repeats=repeats, failure=failure)

@@ -22,7 +22,7 @@ import platform
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from pitstop.emulation.topology import LinkClass
 from pitstop.errors import EmulationError
@@ -179,6 +179,8 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
     import torch
     import torch.distributed as dist
 
+    from pitstop.pg import destroy, new_comm
+
     if pin and hasattr(os, "sched_setaffinity"):
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
@@ -228,7 +230,26 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
                         times.append(float(stamp[1] - stamp[0]))
                 if rank == 0:
                     out[op][size] = statistics.median(times)
+        # building one communicator, as a replacement's delta groups are built: pitstop's
+        # new_comm (members only, a fresh store prefix each) over n ranks, and in every
+        # world over 1 too (every rank its own, as a joiner's singleton groups)
+        builds: Dict[int, List[float]] = {}
+        for size in (1, n):
+            for k in range(warmup + min(repeats, 10)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                ranks = [rank] if size == 1 else list(range(n))
+                name = f"calibrate-build-{size}-{k}-{rank if size == 1 else 'all'}"
+                g = new_comm(ranks, "gloo", dist.PrefixStore(f"pitstop/calibrate/{name}", store), name,
+                             timedelta(seconds=120), "calibrate")
+                t1 = time.perf_counter()
+                stamp[0], stamp[1] = t0, t1
+                dist.all_reduce(stamp, op=dist.ReduceOp.MAX)
+                destroy(g)
+                if k >= warmup:
+                    builds.setdefault(size, []).append(float(stamp[1] - stamp[0]))
         if rank == 0:
+            out["group_build"] = {size: statistics.median(ts) for size, ts in builds.items()}
             store.set(f"{_TABLE_KEY}/{n}", json.dumps(out))
     finally:
         dist.destroy_process_group()
@@ -236,11 +257,14 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
 
 def measure_tables(group_sizes: Sequence[int] = (2,), sizes: Sequence[int] = TABLE_SIZES,
                    ops: Sequence[str] = TABLE_OPS, repeats: int = 20, warmup: int = 3,
-                   pin: bool = True) -> Dict[str, Dict[int, List[List[float]]]]:
+                   pin: bool = True, group_build: Optional[Dict[str, float]] = None
+                   ) -> Dict[str, Dict[int, List[List[float]]]]:
     """Measure this machine's gloo costs per (operation, group size, bytes), nccl-tests style:
     real processes (torch.multiprocessing, spawn) meeting through a ``TCPStore(port=0)``, one
     world per group size. Returns the file form of a link's ``table``
-    (:mod:`pitstop.emulation.topology`): ``{op: {group size: [[bytes, seconds], ...]}}``."""
+    (:mod:`pitstop.emulation.topology`): ``{op: {group size: [[bytes, seconds], ...]}}``.
+    ``group_build``, when given, is filled with the seconds one communicator took to build,
+    per group size (the topology's ``group_build_s``: 1 and every size in ``group_sizes``)."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -257,14 +281,18 @@ def measure_tables(group_sizes: Sequence[int] = (2,), sizes: Sequence[int] = TAB
     if repeats < 1 or warmup < 0:
         raise EmulationError(f"repeats({repeats}) must be >= 1 and warmup({warmup}) >= 0")
     table: Dict[str, Dict[int, List[List[float]]]] = {}
+    builds: Dict[str, float] = {}
     for n in sorted({int(g) for g in group_sizes}):
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
         mp.spawn(_table_worker, args=(n, store.port, list(ops), sizes, repeats, warmup, pin), nprocs=n, join=True)
         got = json.loads(store.get(f"{_TABLE_KEY}/{n}"))
+        builds.update(got.pop("group_build", {}))
         for op, rows in got.items():
             if op == "send" and n != 2:
                 continue  # one message is between two ranks whatever the world
             table.setdefault(op, {})[str(n)] = [[int(b), t] for b, t in sorted((int(b), t) for b, t in rows.items())]
+    if group_build is not None:
+        group_build.update({str(k): builds[k] for k in sorted(builds, key=int)})
     return table
 
 
@@ -276,7 +304,8 @@ def calibrate_topology(name: str = "cpu-gloo-calibrated", group_sizes: Sequence[
     the host, so both link classes are the same loopback link and ``gpus_per_node`` is nominal."""
     from pitstop.emulation.topology import from_dict
 
-    table = measure_tables(group_sizes, sizes, repeats=repeats)
+    builds: Dict[str, float] = {}
+    table = measure_tables(group_sizes, sizes, repeats=repeats, group_build=builds)
     send = table["send"]["2"]
     alpha, beta = fit_alpha_beta([b for b, _ in send], [t for _, t in send])
     link = {"alpha_s": alpha, "bandwidth_bytes_per_s": 1.0 / beta, "table": table}
@@ -291,6 +320,7 @@ def calibrate_topology(name: str = "cpu-gloo-calibrated", group_sizes: Sequence[
         "gpus_per_node": gpus_per_node,
         "intra_node": link,
         "inter_node": dict(link),
+        "group_build_s": builds,
     }
     from_dict(json.loads(json.dumps(data)), source="pitstop calibrate")  # what it writes, it can read
     return data

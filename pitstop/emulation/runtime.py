@@ -28,7 +28,7 @@ import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from pitstop.errors import ConfigError
 from pitstop.runtime.worker import ENV_EMULATE  # the one definition of the variable's name
@@ -82,6 +82,11 @@ class _Active:
     """Joining the virtual world (the default group)."""
     init: Dict[str, Any] = field(default_factory=dict)
     """The model-parallel initialisation: seconds from joining, RSS growth, groups built."""
+    t_groups: Optional[float] = None
+    """When the model-parallel groups were ready (``build_s`` counts from here)."""
+    role: Dict[str, Any] = field(default_factory=dict)
+    """What a replacement of this role would move and build: its state bytes, and the seconds
+    from its groups being ready to its first step (model, optimizer, data)."""
 
 
 ACTIVE: Optional[_Active] = None
@@ -147,6 +152,7 @@ def groups_ready(groups: int) -> None:
     initialisation cost (from joining the world: seconds and resident memory)."""
     a = ACTIVE
     if a is not None and not a.init:
+        a.t_groups = time.perf_counter()
         a.init = {"init_s": round(time.perf_counter() - a.t0, 4), "init_rss_bytes": _rss_bytes() - a.rss0,
                   "groups": groups}
 
@@ -157,12 +163,19 @@ def _rss_bytes() -> int:
     return rss_bytes()
 
 
-def boundary(iter_s: float) -> None:
+def boundary(iter_s: float, state_nbytes: Optional[Callable[[], int]] = None) -> None:
     """An iteration boundary of the real rank (called by the session with the iteration's
-    loop-body time, measured as a real run's session measures it)."""
+    loop-body time, measured as a real run's session measures it, and a function that returns
+    the rank's state bytes, read once at the first boundary)."""
     a = ACTIVE
     if a is None:
         return
+    if not a.iter_s:
+        now = time.perf_counter()
+        if a.t_groups is not None:
+            a.role["build_s"] = round(now - iter_s - a.t_groups, 4)
+        if state_nbytes is not None:
+            a.role["state_bytes"] = int(state_nbytes())
     a.iter_s.append(iter_s)
     if a.cfg.phase != "memory":
         a.oracle.boundary()
@@ -174,7 +187,7 @@ def boundary(iter_s: float) -> None:
 
     metrics = {"rank": a.rank, "phase": a.cfg.phase, "iter_s": [round(x, 6) for x in a.iter_s],
                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "setup_s": round(a.setup_s, 4),
-               "peak_tensor_bytes": memory.peak_bytes(), **a.init}
+               "peak_tensor_bytes": memory.peak_bytes(), **a.init, **a.role}
     if a.cfg.phase == "paced":
         metrics.update(slept_s=round(a.oracle.slept_s, 6), late_ops=a.oracle.late, late_total_s=round(a.oracle.late_s, 6),
                        overrun=a.oracle.overrun)

@@ -28,6 +28,14 @@ above the largest (bandwidth). A group size the table lacks takes the nearest me
 scaled by the alpha-beta model's ratio between the two; an operation it lacks, the
 alpha-beta model alone.
 
+A topology may also say what building one communicator costs, per group size (``pitstop
+calibrate`` measures it; ``pitstop emulate --fault`` reads it to cost a replacement's delta
+groups)::
+
+    "group_build_s": {"1": 2.1e-3, "2": 4.0e-3, "4": 7.9e-3}
+
+linear between measured sizes and along the last segment beyond the largest.
+
 Shipped files live in ``pitstop/emulation/topologies/``; :func:`load` also takes their
 bare name (``load("h200-nvlink-ib")``).
 """
@@ -58,7 +66,7 @@ TABLE_OPS = COLLECTIVES + ("send",)
 
 #: op -> group size -> (sizes in bytes, ascending; seconds at each)
 Table = Mapping[str, Mapping[int, Tuple[Tuple[int, ...], Tuple[float, ...]]]]
-_TOP_KEYS = ("name", "doc", "calibrated", "gpus_per_node", "intra_node", "inter_node")
+_TOP_KEYS = ("name", "doc", "calibrated", "gpus_per_node", "intra_node", "inter_node", "group_build_s")
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,8 @@ class Topology:
     doc: str = field(default="", repr=False)
     calibrated: str = field(default="", repr=False)
     """Where the numbers come from when measured: date, machine, command."""
+    group_build_s: Mapping[int, float] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """Seconds to build one communicator, per group size (measured; empty when unknown)."""
 
     def __post_init__(self) -> None:
         gpn = self.gpus_per_node
@@ -155,6 +165,17 @@ class Topology:
         )
 
     # ------------------------------------------------------------------ costs
+    def group_build_cost(self, n: int) -> float:
+        """Seconds to build one communicator of ``n`` ranks: the measured sizes, linear between
+        them, along the last segment (never downward) beyond the largest, flat below the smallest."""
+        if not self.group_build_s:
+            raise TopologyError(f"topology {self.name or '<unnamed>'!r} has no group_build_s: measure it "
+                                "with `pitstop calibrate --out FILE` and pass that file")
+        sizes = sorted(self.group_build_s)
+        if len(sizes) == 1:
+            return float(self.group_build_s[sizes[0]])
+        return interpolate(sizes, [self.group_build_s[k] for k in sizes], n)
+
     def cost(self, op: str, ranks: Sequence[int], nbytes: int) -> float:
         """Seconds a collective ``op`` of ``nbytes`` over ``ranks`` takes once all arrived."""
         return collective_cost(op, len(ranks), nbytes, self.group_link(ranks))
@@ -176,6 +197,8 @@ class Topology:
             if link.table:
                 out[attr]["table"] = {op: {str(n): [[b, t] for b, t in zip(*pts)] for n, pts in sorted(rows.items())}
                                       for op, rows in link.table.items()}
+        if self.group_build_s:
+            out["group_build_s"] = {str(n): t for n, t in sorted(self.group_build_s.items())}
         return out
 
 
@@ -362,7 +385,24 @@ def from_dict(data: Any, source: str = "<dict>") -> Topology:
         name=data.get("name", ""),
         doc=data.get("doc", ""),
         calibrated=data.get("calibrated", ""),
+        group_build_s=_group_build(f"{source}: group_build_s", data.get("group_build_s", {})),
     )
+
+
+def _group_build(where: str, data: Any) -> Dict[int, float]:
+    """``{"group size": seconds}``: sizes integers >= 1, seconds > 0."""
+    if not isinstance(data, Mapping):
+        raise TopologyError(f"{where}({data!r}) must be a table of group size -> seconds")
+    out: Dict[int, float] = {}
+    for n, t in data.items():
+        try:
+            size = int(n)
+        except (TypeError, ValueError):
+            size = 0
+        if size < 1 or str(size) != str(n).strip():
+            raise TopologyError(f"{where}: group size {n!r} must be an integer >= 1")
+        out[size] = _check_number(f"{where} at {size} ranks", t, "seconds", allow_zero=False)
+    return out
 
 
 def load(path: Union[str, Path]) -> Topology:

@@ -141,6 +141,12 @@ def _parser(more: Optional[Callable] = None) -> argparse.ArgumentParser:
                     help="with --trace-all: fit the link's alpha and bandwidth to the collectives the trace measured")
     em.add_argument("--no-memory", action="store_true",
                     help="skip the memory phase (the real ranks' peak tensor bytes; one more run of the script)")
+    em.add_argument("--fault", metavar="rank=R,step=S",
+                    help="also predict the downtime of a standby replacing rank R during step S (R becomes a real "
+                         "rank; needs --recovery-costs and a topology from `pitstop calibrate`)")
+    em.add_argument("--recovery-costs", metavar="PATH",
+                    help="with --fault: a real replacement's detection and planning times: a `pitstop launch` run "
+                         "directory, its events.jsonl, or a JSON {detect_s, plan_s}")
     em.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS... (give the script the same --tp/--pp)")
 
     ca = sub.add_parser("calibrate", help="measure this machine's collective costs into a topology file "
@@ -224,6 +230,7 @@ def _calibrate(args) -> int:
     for op, rows in data["intra_node"]["table"].items():
         for n, pts in rows.items():
             print(f"{op:15s} n={n:>3s}  " + "  ".join(f"{b}B {t * 1e3:.3f}ms" for b, t in pts))
+    print("group build     " + "  ".join(f"n={n} {t * 1e3:.2f}ms" for n, t in data.get("group_build_s", {}).items()))
     print(f"wrote {args.out}")
     return 0
 
@@ -239,9 +246,24 @@ def _emulate(args) -> int:
     from pitstop.layout import ParallelLayout
 
     ParallelLayout(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)  # names every factor
-    spec = EmulateSpec(args.world_size, args.tp, args.pp, parse_ranks(args.real_ranks, args.world_size), script,
+    real = parse_ranks(args.real_ranks, args.world_size)
+    fault = costs = None
+    if args.fault:
+        from pitstop.emulation.failure import FaultSpec
+        from pitstop.launch.emulate import load_recovery_costs
+
+        fault = FaultSpec.parse(args.fault, args.world_size)
+        real = sorted(set(real) | {fault.rank})
+        if not args.recovery_costs:
+            raise PitstopError("--fault needs --recovery-costs PATH: a real replacement's detection and planning "
+                               "times (a `pitstop launch` run directory, its events.jsonl, or {detect_s, plan_s})")
+        costs = load_recovery_costs(Path(args.recovery_costs))
+    elif args.recovery_costs:
+        raise PitstopError("--recovery-costs is read only with --fault rank=R,step=S")
+    spec = EmulateSpec(args.world_size, args.tp, args.pp, real, script,
                        Path(args.out), args.topology, args.cp, args.ep, args.timeout, memory=not args.no_memory,
-                       trace_ranks=list(range(args.world_size)) if args.trace_all else None, fit_network=args.fit_network)
+                       trace_ranks=list(range(args.world_size)) if args.trace_all else None, fit_network=args.fit_network,
+                       fault=fault, recovery_costs=costs)
     report = emulate(spec)
     print(table(report))
     print(f"report: {spec.out / 'report.json'}   trace: {spec.out / 'trace.json'} (ui.perfetto.dev)")

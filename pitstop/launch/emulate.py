@@ -30,10 +30,13 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from pitstop.errors import ConfigError, EmulationError
 from pitstop.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from pitstop.emulation.failure import FaultSpec, RecoveryCosts
 
 DEFAULT_TOPOLOGY = "cpu-gloo-loopback"
 
@@ -58,6 +61,11 @@ class EmulateSpec:
     fit_network: bool = False
     """Fit the topology's link to the collectives the trace phase measured (needs a fully
     real trace phase: every rank traced, so every measured collective is real)."""
+    fault: Optional["FaultSpec"] = None
+    """Predict a standby replacement of this rank (:mod:`pitstop.emulation.failure`); the rank
+    must be one of ``real_ranks`` (its state and build are measured on it)."""
+    recovery_costs: Optional["RecoveryCosts"] = None
+    """The control plane's measured detection and planning (needed with ``fault``)."""
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
@@ -95,6 +103,17 @@ def validate(spec: EmulateSpec):
         raise ConfigError(f"fitting the network to the trace needs every one of the {spec.world_size} ranks "
                           f"traced for real (trace ranks: {spec.trace_ranks})")
     topology = topo.load(spec.topology)
+    if spec.fault is not None:
+        if spec.fault.rank not in spec.real_ranks:
+            raise ConfigError(f"--fault rank={spec.fault.rank} must be a real rank (real ranks: {spec.real_ranks}): "
+                              "its state bytes and build time are measured on it")
+        if spec.recovery_costs is None:
+            raise ConfigError("--fault needs --recovery-costs FILE: the detection and planning times of a real "
+                              "replacement (a `pitstop launch` run directory, its events.jsonl, or {detect_s, plan_s})")
+        if layout.dp < 2:
+            raise ConfigError(f"--fault rank={spec.fault.rank}: dp={layout.dp} leaves no data-parallel peer with the "
+                              "role's state; a replacement would restore a checkpoint, which emulate does not predict")
+        topology.group_build_cost(1)  # TopologyError now, naming the fix, if it was never measured
     if not spec.argv:
         raise ConfigError("pitstop emulate: no script given (-- SCRIPT ARGS...)")
     return layout, topology
@@ -176,10 +195,60 @@ def emulate(spec: EmulateSpec) -> Dict[str, Any]:
     phases["replay_s"] = round(replay_s, 4)
     report = _report(spec, layout, topology, result, traced, replay_s, time.perf_counter() - t0)
     report["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
+    if spec.fault is not None:
+        report["failure"] = predicted_failure(spec, layout, topology, result)
     report["launcher_max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "trace.json").write_text(json.dumps(to_chrome_trace(result, sorted(set(spec.real_ranks) | set(result.partition.reps)))))
     return report
+
+
+def load_recovery_costs(path: Path) -> "RecoveryCosts":
+    """The control plane's measured costs from ``path``: a ``pitstop launch`` run directory or its
+    ``events.jsonl`` (its first ``replaced`` event), or a JSON object ``{detect_s, plan_s}``."""
+    from pitstop.emulation.failure import RecoveryCosts
+    from pitstop.launch.events import EVENTS
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / EVENTS
+    if not p.is_file():
+        raise ConfigError(f"--recovery-costs {str(path)!r}: no such file (expected a pitstop launch run directory "
+                          f"with {EVENTS}, an {EVENTS}, or a JSON file with detect_s and plan_s)")
+    text = p.read_text(errors="replace")
+    if p.suffix == ".jsonl":
+        for n, line in enumerate(text.splitlines(), 1):
+            try:
+                ev = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                raise ConfigError(f"--recovery-costs {p}: line {n} is not JSON") from None
+            if isinstance(ev, dict) and ev.get("event") == "replaced":
+                return RecoveryCosts.from_dict(ev, source=f"{p} line {n}")
+        raise ConfigError(f"--recovery-costs {p}: no 'replaced' event (the run had no replacement by a standby)")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--recovery-costs {p}: not valid JSON at line {exc.lineno}: {exc.msg}") from None
+    return RecoveryCosts.from_dict(data, source=str(p))
+
+
+def predicted_failure(spec: EmulateSpec, layout: ParallelLayout, topology, result) -> Dict[str, Any]:
+    """The replacement of ``spec.fault.rank`` predicted from this emulation: the role's state bytes
+    and build time as its real rank measured them (paced phase), its replayed step S (the last
+    replayed iteration's where S is beyond them)."""
+    from pitstop.emulation.failure import predict
+
+    r = spec.fault.rank
+    m = json.loads((spec.out / "metrics" / f"r{r}.json").read_text())
+    missing = [k for k in ("state_bytes", "build_s") if m.get(k) is None]
+    if missing:
+        raise EmulationError(f"--fault rank={r}: the emulated rank reported no {', '.join(missing)} (does the "
+                             "script train through pitstop's session, so its boundaries reach the emulator?)")
+    times = result.iteration_times(r)
+    it = min(spec.fault.step, len(times)) - 1
+    out = predict(layout, spec.fault, topology, spec.recovery_costs, m["state_bytes"], m["build_s"], times[it])
+    out["step_replayed_iteration"] = it + 1
+    return out
 
 
 def _fitted(topology, spec: EmulateSpec):
@@ -192,7 +261,8 @@ def _fitted(topology, spec: EmulateSpec):
     link = fit_link(rows)
     fitted = Topology(topology.gpus_per_node, link, LinkClass("inter_node", link.alpha_s, link.bandwidth_bytes_per_s),
                       name=f"{topology.name}+fitted", doc=f"{topology.name} with its links fitted to {len(rows)} "
-                      f"collectives measured in the trace phase", calibrated=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                      f"collectives measured in the trace phase", calibrated=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      group_build_s=topology.group_build_s)
     (spec.out / "topology-fitted.json").write_text(json.dumps(fitted.to_dict(), indent=1))
     return fitted
 
@@ -245,6 +315,14 @@ def table(report: Dict[str, Any]) -> str:
         lines.append(f"{r['rank']:>6} {r['iter_s']:>10.4f} {r['replayed_iter_s']:>10.4f} {r['error_pct']:>7.2f} "
                      f"{b.get('compute', 0):>9.4f} {b.get('comm', 0):>8.4f} {b.get('comm_wait', 0):>8.4f} "
                      f"{b.get('bubble', 0):>8.4f} {_mib(r['peak_tensor_bytes']):>10} {r['peak_rss_bytes'] / 2**20:>8.1f}")
+    f = report.get("failure")
+    if f:
+        b = f["breakdown"]
+        lines.append(f"fault rank={f['fault']['rank']} step={f['fault']['step']}: predicted downtime "
+                     f"{f['predicted_downtime_s']:.4f}s = detect {b['detect_s']:.4f} + plan {b['plan_s']:.4f} + "
+                     f"max(groups {b['groups_s']:.4f} [{f['groups_rebuilt']} rebuilt], build {b['build_s']:.4f}) + "
+                     f"state {b['state_s']:.4f} [{f['state_bytes']} B from rank {f['state_source_rank']}] + "
+                     f"step {b['step_s']:.4f}")
     return "\n".join(lines)
 
 

@@ -65,6 +65,12 @@ def _shard_items(optimizer) -> List[Tuple[str, torch.Tensor, Any, Optional[str]]
     return out
 
 
+def shard_nbytes(optimizer) -> int:
+    """Bytes of this rank's shard as :func:`take` packs it (the RNG header aside): what a
+    replacement copies to the role's joiner. ``pitstop emulate --fault`` costs the copy with it."""
+    return sum(t.numel() * t.element_size() for _, t, _, _ in _shard_items(optimizer))
+
+
 def _megatron_tracker():
     """Megatron's model-parallel RNG tracker, when the program uses Megatron (else None)."""
     import sys

@@ -61,8 +61,9 @@ class Membership:
     joined_at: float = field(default_factory=time.time)
     channel: Optional[Channel] = None
     """The authenticated view of ``store``: every control message goes through it."""
-    on_boundary: Optional[Callable[[float], None]] = None
-    """Called with each iteration's time at the boundary (the emulator's pacing hook)."""
+    on_boundary: Optional[Callable[[float, Callable[[], int]], None]] = None
+    """Called at the boundary with the iteration's time and a function that returns this rank's
+    state bytes (the emulator's pacing hook; it sizes a predicted replacement's state copy)."""
 
     @property
     def controlled(self) -> bool:
