@@ -43,6 +43,11 @@ def test_calibrate_measures_every_operation_and_writes_a_topology_the_emulator_p
     t_ar = table["all_reduce"]["2"][1][1]
     assert topo.cost("all_reduce", [0, 1], 262144) == t_ar
     assert topo.p2p_cost(0, 1, 4096) == table["send"]["2"][0][1]
+    # building one communicator, per group size: 1 (a joiner's singletons) and every world measured
+    builds = data["group_build_s"]
+    assert set(builds) == {"1", "2", "3"} and all(t > 0 for t in builds.values()), builds
+    assert topo.group_build_cost(3) == builds["3"]
+    assert "group build" in res.stdout and "n=3" in res.stdout, res.stdout[-1000:]
 
 
 @pytest.mark.parametrize("argv, words", [

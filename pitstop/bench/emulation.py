@@ -138,8 +138,8 @@ def _replacement(run_dir: Path, steps: int, timeout: float) -> Dict[str, Any]:
     ev = (res.of("replaced") or [None])[0]
     if res.code != 0 or ev is None or ev.get("downtime_s") is None:
         raise PitstopError(f"the real replacement in {run_dir} did not happen (exit {res.code}, event {ev}):\n{res.tails()}")
-    # the faulted role's own shard as the runtime packed it (the distributed optimizer's shards differ by rank)
-    ev["buddy_bytes"] = next((s.get("buddy_bytes") for s in res.stats if s.get("rank") == FAULT["rank"]), None)
+    # per rank, the size of the snapshot it holds for its ring peer (a Snapshot's data and header)
+    ev["buddy_bytes"] = {s.get("rank"): s.get("buddy_bytes") for s in res.stats}
     return ev
 
 
@@ -180,7 +180,8 @@ def failure_row(run_dir: Path, steps: int, timeout: float, topology: str,
         "real_warm": all(e.get("warm") for e in reals),
         "groups_rebuilt": pred["groups_rebuilt"],
         "state_bytes": pred["state_bytes"],
-        "real_buddy_bytes": mid.get("buddy_bytes"),
+        # the copy of rank 1's state its peer held in the real run (what the joiner received)
+        "real_snapshot_bytes": mid["buddy_bytes"].get(pred["state_source_rank"]),
         "costs_from": {"detect_s": costs.detect_s, "plan_s": costs.plan_s,
                        "run": "a separate real replacement of the same job, before the emulation"},
     }

@@ -174,8 +174,8 @@ def boundary(iter_s: float, state_nbytes: Optional[Callable[[], int]] = None) ->
         now = time.perf_counter()
         if a.t_groups is not None:
             a.role["build_s"] = round(now - iter_s - a.t_groups, 4)
-        if state_nbytes is not None:
-            a.role["state_bytes"] = int(state_nbytes())
+        if state_nbytes is not None and a.cfg.phase != "memory":  # it reads the RNG states: tensors the
+            a.role["state_bytes"] = int(state_nbytes())                # memory phase would count
     a.iter_s.append(iter_s)
     if a.cfg.phase != "memory":
         a.oracle.boundary()

@@ -261,7 +261,7 @@ class Session:
             self.iter_s.append(iter_s)
             self.steps_committed += 1
             if self.m.on_boundary is not None:  # `pitstop emulate`: the emulator's hook
-                self.m.on_boundary(iter_s, lambda: state.shard_nbytes(self.optimizer))
+                self.m.on_boundary(iter_s, lambda: state.snapshot_nbytes(self.optimizer))
             memory.boundary()
             self._committed = True
             return [(step, report)]

@@ -65,10 +65,12 @@ def _shard_items(optimizer) -> List[Tuple[str, torch.Tensor, Any, Optional[str]]
     return out
 
 
-def shard_nbytes(optimizer) -> int:
-    """Bytes of this rank's shard as :func:`take` packs it (the RNG header aside): what a
-    replacement copies to the role's joiner. ``pitstop emulate --fault`` costs the copy with it."""
-    return sum(t.numel() * t.element_size() for _, t, _, _ in _shard_items(optimizer))
+def snapshot_nbytes(optimizer) -> int:
+    """Bytes of this rank's :class:`Snapshot` as :func:`take` packs it now: its shard and its RNG
+    header (less the framework's extra state and the reports, a few bytes): what a replacement
+    copies to the role's joiner. ``pitstop emulate --fault`` costs the copy with it."""
+    shard = sum(t.numel() * t.element_size() for _, t, _, _ in _shard_items(optimizer))
+    return shard + len(json.dumps(encode_value(rng_state())).encode())
 
 
 def _megatron_tracker():
