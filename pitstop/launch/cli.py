@@ -147,6 +147,9 @@ def _parser(more: Optional[Callable] = None) -> argparse.ArgumentParser:
     em.add_argument("--recovery-costs", metavar="PATH",
                     help="with --fault: a real replacement's detection and planning times: a `pitstop launch` run "
                          "directory, its events.jsonl, or a JSON {detect_s, plan_s}")
+    em.add_argument("--what-if", action="append", default=[], metavar="dp=N,topology=T",
+                    help="also replay the recorded graph with another data-parallel degree and/or network, "
+                         "without rerunning (repeatable); another tp/pp/cp/ep is refused: it needs its own trace")
     em.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS... (give the script the same --tp/--pp)")
 
     ca = sub.add_parser("calibrate", help="measure this machine's collective costs into a topology file "
@@ -246,6 +249,8 @@ def _emulate(args) -> int:
     from pitstop.layout import ParallelLayout
 
     ParallelLayout(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)  # names every factor
+    from pitstop.emulation.whatif import WhatIf
+
     real = parse_ranks(args.real_ranks, args.world_size)
     fault = costs = None
     if args.fault:
@@ -263,7 +268,7 @@ def _emulate(args) -> int:
     spec = EmulateSpec(args.world_size, args.tp, args.pp, real, script,
                        Path(args.out), args.topology, args.cp, args.ep, args.timeout, memory=not args.no_memory,
                        trace_ranks=list(range(args.world_size)) if args.trace_all else None, fit_network=args.fit_network,
-                       fault=fault, recovery_costs=costs)
+                       fault=fault, recovery_costs=costs, what_if=[WhatIf.parse(w) for w in args.what_if])
     report = emulate(spec)
     print(table(report))
     print(f"report: {spec.out / 'report.json'}   trace: {spec.out / 'trace.json'} (ui.perfetto.dev)")

@@ -37,6 +37,7 @@ from pitstop.layout import ParallelLayout
 
 if TYPE_CHECKING:
     from pitstop.emulation.failure import FaultSpec, RecoveryCosts
+    from pitstop.emulation.whatif import WhatIf
 
 DEFAULT_TOPOLOGY = "cpu-gloo-loopback"
 
@@ -66,6 +67,8 @@ class EmulateSpec:
     must be one of ``real_ranks`` (its state and build are measured on it)."""
     recovery_costs: Optional["RecoveryCosts"] = None
     """The control plane's measured detection and planning (needed with ``fault``)."""
+    what_if: Sequence["WhatIf"] = ()
+    """Replays of the recorded graph under another dp or topology (:mod:`pitstop.emulation.whatif`)."""
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
@@ -114,6 +117,10 @@ def validate(spec: EmulateSpec):
             raise ConfigError(f"--fault rank={spec.fault.rank}: dp={layout.dp} leaves no data-parallel peer with the "
                               "role's state; a replacement would restore a checkpoint, which emulate does not predict")
         topology.group_build_cost(1)  # TopologyError now, naming the fix, if it was never measured
+    for w in spec.what_if:  # before any process starts: the layout it asks for, its topology file
+        w.layout(layout)
+        if w.topology is not None:
+            topo.load(w.topology)
     if not spec.argv:
         raise ConfigError("pitstop emulate: no script given (-- SCRIPT ARGS...)")
     return layout, topology
@@ -197,10 +204,40 @@ def emulate(spec: EmulateSpec) -> Dict[str, Any]:
     report["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
     if spec.fault is not None:
         report["failure"] = predicted_failure(spec, layout, topology, result)
+    if spec.what_if:
+        report["what_if"] = [what_if(w, layout, topology, traces, report) for w in spec.what_if]
     report["launcher_max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "trace.json").write_text(json.dumps(to_chrome_trace(result, sorted(set(spec.real_ranks) | set(result.partition.reps)))))
     return report
+
+
+def what_if(w: "WhatIf", layout: ParallelLayout, topology, traces, report: Dict[str, Any]) -> Dict[str, Any]:
+    """The recorded traces sliced into the what-if layout and replayed on its topology."""
+    from pitstop.emulation import topology as topo
+    from pitstop.emulation.graph import slice_graph
+    from pitstop.emulation.replay import replay
+    from pitstop.emulation.whatif import ranks_to_report, summarise
+
+    t0 = time.perf_counter()
+    new_layout = w.layout(layout)
+    new_topology = topology if w.topology is None else topo.load(w.topology)
+    result = replay(slice_graph(new_layout, traces), new_topology)
+    rows = summarise(result, new_layout, ranks_to_report(new_layout, report["real_ranks"]))
+    same_dp = new_layout.dp == layout.dp
+    peaks = {r["rank"]: r["peak_tensor_bytes"] for r in report["ranks"]}
+    for row in rows:  # memory: the recorded peak where only the network changed
+        row["peak_tensor_bytes"] = peaks.get(row["rank"]) if same_dp else None
+    return {
+        "what_if": w.text,
+        "world_size": new_layout.world_size,
+        "layout": new_layout.describe(),
+        "topology": new_topology.name,
+        "ranks": rows,
+        "memory": ("the recorded peaks (a network change moves no tensor)" if same_dp else
+                   "not predicted: the optimizer's shard moves with dp; emulate that world for its peak"),
+        "replay_s": round(time.perf_counter() - t0, 4),
+    }
 
 
 def load_recovery_costs(path: Path) -> "RecoveryCosts":
@@ -315,6 +352,9 @@ def table(report: Dict[str, Any]) -> str:
         lines.append(f"{r['rank']:>6} {r['iter_s']:>10.4f} {r['replayed_iter_s']:>10.4f} {r['error_pct']:>7.2f} "
                      f"{b.get('compute', 0):>9.4f} {b.get('comm', 0):>8.4f} {b.get('comm_wait', 0):>8.4f} "
                      f"{b.get('bubble', 0):>8.4f} {_mib(r['peak_tensor_bytes']):>10} {r['peak_rss_bytes'] / 2**20:>8.1f}")
+    for w in report.get("what_if", []):
+        lines.append(f"what-if {w['what_if']!r}: world {w['world_size']}, topology {w['topology']}: "
+                     + ", ".join(f"rank {r['rank']} {r['iter_s']:.4f}s" for r in w["ranks"]))
     f = report.get("failure")
     if f:
         b = f["breakdown"]
