@@ -204,3 +204,94 @@ def test_emulate_fault_predicts_a_real_replacement_from_another_runs_costs(tmp_p
     assert b["step_s"] > 0 and f["step_replayed_iteration"] == 3
     assert "predicted downtime" in res.stdout
     assert replayed["replayed_iter_s"] > 0
+
+
+# ---------------------------------------------------------------------- what-if
+from pitstop.emulation.whatif import WhatIf  # noqa: E402
+
+
+@pytest.mark.parametrize("text, words", [
+    ("dp=0", ["dp('0')", ">= 1"]),
+    ("dp=x", ["dp('x')"]),
+    ("world=8", ["KEY=VALUE", "dp, topology"]),
+    ("dp=2,dp=4", ["each once"]),
+    ("", ["name at least one"]),
+])
+def test_a_bad_what_if_is_refused_by_value(text, words):
+    with pytest.raises(ConfigError) as e:
+        WhatIf.parse(text)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_a_what_if_changes_dp_and_refuses_what_needs_a_new_trace():
+    rec = ParallelLayout(16, tp=2, pp=2)
+    got = WhatIf.parse("dp=16,topology=h200-nvlink-ib").layout(rec)
+    assert (got.world_size, got.tp, got.pp, got.dp) == (64, 2, 2, 16)
+    assert WhatIf.parse("topology=h200-nvlink-ib").layout(rec) is rec
+    assert WhatIf.parse("tp=2,dp=1").layout(rec).world_size == 4  # the recorded tp, restated
+    with pytest.raises(ConfigError, match=r"tp\(4\) differs from the recorded tp\(2\).*pitstop emulate --tp 4"):
+        WhatIf.parse("tp=4,pp=2").layout(rec)
+
+
+def test_a_what_if_replays_the_same_traces_with_the_new_dp_groups():
+    """Synthetic traces of a 2-stage job at dp 2 replayed at dp 1 and dp 8: the data-parallel
+    all-reduce costs nothing at dp 1 (a group of one), more at dp 8 (ring: 2(n-1)/n of the bytes),
+    and everything else is the same program."""
+    from pitstop.emulation.graph import slice_graph
+    from pitstop.emulation.replay import replay
+    from pitstop.emulation.synthetic import one_f_one_b_traces
+    from pitstop.emulation.whatif import summarise
+
+    traces = one_f_one_b_traces(2, 4, iterations=3, fwd_s=0.01, bwd_s=0.02, act_bytes=1 << 20,
+                                grad_bytes=64 << 20, optim_s=0.005)
+    topo = load("h200-nvlink-ib")
+    rec = ParallelLayout(4, pp=2)
+    comm = {}
+    for dp in (1, 2, 8):
+        layout = WhatIf.parse(f"dp={dp}").layout(rec)
+        res = replay(slice_graph(layout, traces), topo)
+        row = summarise(res, layout, [0, layout.world_size - 1])
+        assert [r["rank"] for r in row] == [0, layout.world_size - 1]
+        comm[dp] = row[0]["breakdown_s"]["comm"]
+        assert row[0]["breakdown_s"]["compute"] == pytest.approx(4 * 0.03 + 0.005)
+    assert comm[1] < comm[2] < comm[8], comm
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_what_if_replays_a_real_recording_whose_programs_do_not_depend_on_dp(tmp_path):
+    """A real emulation at world 4 (tp2 dp2) with ``--what-if dp=1``, and a second one recorded at
+    world 2 (tp2 dp1) directly: the what-if's premise holds on the real program -- the rank's
+    communication of 1 KiB or more, operation by operation (kind, group, bytes), is the same at both
+    dp; only a few tiny ones differ (Megatron's optimizer checks: at dp 1 one all_reduce of 4 bytes,
+    at dp 2 two all_gathers of 8 and 16), which the what-if keeps as recorded -- and the what-if
+    reports the world it was asked for."""
+    from pitstop.emulation.graph import Comm, Trace
+
+    def run(world: int, *extra: str) -> dict:
+        out = tmp_path / f"w{world}"
+        res = _emulate("--world-size", str(world), "--tp", "2", "--real-ranks", "0", "--out", str(out), "--no-memory",
+                       *extra, "--", "examples/train_gpt.py", "--tp", "2", "--steps", "4")
+        assert res.returncode == 0, res.stderr[-4000:]
+        return {"report": json.loads((out / "report.json").read_text()), "stdout": res.stdout,
+                "trace": Trace.from_json(json.loads((out / "traces" / "r0.json").read_text()))}
+
+    four = run(4, "--what-if", "dp=1", "--what-if", "topology=h200-nvlink-ib")
+    two = run(2)
+    def comms(t, big: bool):
+        return [[(op.op, op.group_kind, op.nbytes) for op in it if isinstance(op, Comm) and (op.nbytes >= 1024) == big]
+                for it in t.iterations[1:]]
+
+    bulk = comms(four["trace"], True) + comms(two["trace"], True)
+    assert bulk[0] and all(c == bulk[0] for c in bulk), "a rank's large collectives changed with dp"
+    small4, small2 = comms(four["trace"], False), comms(two["trace"], False)
+    for a, b in zip(small4, small2):
+        assert len(set(a) ^ set(b)) <= 4 and sum(n for _, _, n in set(a) ^ set(b)) <= 64, (a, b)
+    w_dp, w_net = four["report"]["what_if"]
+    assert (w_dp["world_size"], [r["rank"] for r in w_dp["ranks"]]) == (2, [0, 1])
+    assert w_dp["ranks"][0]["iter_s"] > 0 and w_dp["ranks"][0]["peak_tensor_bytes"] is None
+    assert (w_net["world_size"], w_net["topology"]) == (4, "h200-nvlink-ib")
+    # on an NVLink network the same program's communication is cheaper than on loopback gloo
+    assert w_net["ranks"][0]["breakdown_s"]["comm"] < four["report"]["ranks"][0]["breakdown_s"]["comm"]
+    assert "what-if 'dp=1': world 2" in four["stdout"]

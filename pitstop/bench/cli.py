@@ -65,6 +65,8 @@ def add_benchmarks(bsub) -> None:
                    help="comma-separated subset of tp2,pp2,dp2,tp2-deep (empty: none)")
     e.add_argument("--repeats", type=_count(1), default=5, help="plain torchrun runs per config (median and spread)")
     e.add_argument("--no-scale", action="store_true", help="skip the world-8192 row")
+    e.add_argument("--no-what-if", action="store_true",
+                   help="skip the what-if rows (a recorded graph replayed at another dp, against torchrun)")
     e.add_argument("--no-failure", action="store_true",
                    help="skip the failure row (emulate --fault against real world-2 replacements)")
     e.add_argument("--run-dir", default="runs/bench-emulation")
@@ -176,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         from pitstop.bench.emulation import main as bench_emulation
 
         out = bench_emulation(args.run_dir, args.steps, args.configs, not args.no_scale, args.repeats,
-                              not args.no_failure)
+                              not args.no_failure, not args.no_what_if)
         print(json.dumps(out) if args.json else json.dumps(out, indent=2))
         return 0
     if args.cmd == "demo":

@@ -27,6 +27,10 @@ count the operations whose real arrival came after their replayed end, and by ho
 With a calibrated topology it also carries ``predicted_failure``: ``pitstop emulate --fault
 rank=0,step=4`` at 8192 ranks (no real run of that size exists here to compare with).
 
+**What-if**: an emulation recorded at one world (one real rank) replayed at another dp
+(``pitstop emulate --what-if dp=N``), against plain torchrun runs of the world it predicts, which
+never went through the emulator; ``direct_emulated_s`` is the emulator run at that world itself.
+
 **Failure** (world 2, dp2): ``pitstop emulate --fault rank=1,step=4`` predicts the downtime of
 a warmed standby replacing rank 1 (:mod:`pitstop.emulation.failure`), with the detection and
 planning times of one real ``pitstop launch`` replacement (the costs run) and everything else
@@ -117,6 +121,57 @@ def fidelity_row(run_dir: Path, config: str, steps: int, timeout: float, topolog
         "emulated_peak_bytes": rep["peak_tensor_bytes"],
         "peak_equal": real_mem[0]["peak_tensor_bytes"] == rep["peak_tensor_bytes"],
     }
+
+
+#: What-if rows: a recorded emulation replayed at another dp, against plain runs of that world.
+#: (name, recorded world, config, what-if, its world) -- both real sides fit this machine's cores.
+WHAT_IF = [("tp2 world 4 -> world 2", 4, "tp2", "dp=1", 2), ("dp2 world 2 -> world 1", 2, "dp2", "dp=1", 1)]
+
+
+def what_if_rows(run_dir: Path, steps: int, timeout: float, topology: str, fidelity: Sequence[Dict[str, Any]],
+                 repeats: int = REPEATS) -> List[Dict[str, Any]]:
+    """``pitstop emulate --what-if`` against plain torchrun runs of the world it predicts.
+
+    The recorded emulation runs at the "from" world (one real rank); its graph is replayed at
+    the "to" world without a rerun. The real side is the fidelity row's torchrun median where
+    that row ran the same job at the same world, else ``repeats`` runs of its own.
+    ``direct_emulated_s`` is ``pitstop emulate`` run at the "to" world itself (the fidelity row),
+    so the what-if's own error can be told from the emulator's."""
+    from pitstop.emulation.whatif import WhatIf
+
+    rows = []
+    by_config = {r["config"]: r for r in fidelity}
+    for name, world, config, change, to_world in WHAT_IF:
+        c = CONFIGS[config]
+        argv = [SCRIPT, *c["args"], "--steps", str(steps), "--pin-core"]
+        d = run_dir / "what-if" / name.split()[0] / f"world{world}"
+        report = emulate(EmulateSpec(world, c["tp"], c["pp"], [0], argv, d / "emulate", topology=topology,
+                                     timeout_s=timeout, memory=False, what_if=[WhatIf.parse(change)]))
+        w = report["what_if"][0]
+        assert w["world_size"] == to_world, (w["world_size"], to_world)
+        predicted = w["ranks"][0]["iter_s"]
+        same = by_config.get(config) if to_world == 2 else None
+        if same is not None:
+            runs, source = same["real_runs_s"], f"the {config} fidelity row's torchrun runs"
+        else:
+            runs = [_median_after_first(torchrun(d / f"real-{i}", argv + ["--megatron-groups", "--checksum"],
+                                                 to_world, timeout)[0]["iter_s"]) for i in range(repeats)]
+            source = f"{repeats} torchrun runs of world {to_world}"
+        real = statistics.median(runs)
+        err = 100 * (predicted - real) / real
+        rows.append({
+            "from": f"{config} world {world} ({report['layout'].split(' (')[0]}), emulated with real rank 0",
+            "to": f"{change}: world {to_world} ({w['layout'].split(' (')[0]})",
+            "predicted_s": predicted,
+            "real_s": round(real, 6),
+            "real_spread_pct": round(100 * (max(runs) - min(runs)) / real, 3),
+            "real_from": source,
+            "error_pct": round(abs(err), 3),
+            "signed_error_pct": round(err, 3),
+            "direct_emulated_s": same["emulated_s"] if same is not None else None,
+            "recorded_s": report["ranks"][0]["replayed_iter_s"],
+        })
+    return rows
 
 
 #: The replacement both sides of the failure row meet: world 2 (dp2), rank 1 killed in step 4's backward.
@@ -225,7 +280,7 @@ def scale_row(run_dir: Path, steps: int, timeout: float, topology: Optional[str]
 
 
 def run(run_dir: Path, steps: int = 10, configs: Sequence[str] = tuple(CONFIGS), scale: bool = True,
-        timeout: float = 900.0, repeats: int = REPEATS, failure: bool = True) -> Dict[str, Any]:
+        timeout: float = 900.0, repeats: int = REPEATS, failure: bool = True, what_if: bool = True) -> Dict[str, Any]:
     run_dir = Path(run_dir)
     t0 = time.perf_counter()
     out: Dict[str, Any] = {}
@@ -250,6 +305,8 @@ def run(run_dir: Path, steps: int = 10, configs: Sequence[str] = tuple(CONFIGS),
             # the goal can be told from noise only where the real runs agree more closely than it
             "goal_measurable": floor <= GOALS["avg_error_pct"],
         }
+    if configs and what_if:
+        out["what_if"] = what_if_rows(run_dir, steps, timeout, str(topo), out["fidelity"], repeats)
     costs = None
     if configs and failure:
         from pitstop.emulation.failure import RecoveryCosts
@@ -268,11 +325,11 @@ def run(run_dir: Path, steps: int = 10, configs: Sequence[str] = tuple(CONFIGS),
 
 
 def main(run_dir: str, steps: int, configs: Optional[str], scale: bool, repeats: int = REPEATS,
-         failure: bool = True) -> Dict[str, Any]:
+         failure: bool = True, what_if: bool = True) -> Dict[str, Any]:
     names = [c for c in (",".join(CONFIGS) if configs is None else configs).split(",") if c]
     bad = [c for c in names if c not in CONFIGS]
     if bad:
         from pitstop.errors import ConfigError
 
         raise ConfigError(f"--configs: unknown {bad}; expected a subset of {','.join(CONFIGS)}")
-    return run(Path(run_dir), steps, names, scale, repeats=repeats, failure=failure)
+    return run(Path(run_dir), steps, names, scale, repeats=repeats, failure=failure, what_if=what_if)

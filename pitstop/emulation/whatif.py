@@ -11,6 +11,12 @@ replay on any topology::
                   DDP reduces the whole gradient buffer whatever dp is)
     topology=T    every operation priced on T instead
 
+The premise holds for the bulk of a step, not for every byte: ``tests/test_failure_prediction.py``
+records the example GPT at dp 1 and dp 2 and finds every collective of 1 KiB or more identical,
+operation by operation, while Megatron's optimizer issues a few tiny ones that depend on dp (at
+dp 1 one all_reduce of 4 bytes, at dp 2 two all_gathers of 8 and 16 bytes). The what-if keeps the
+recorded ones.
+
 What it cannot do without a rerun, and refuses by name: another tp, pp, cp or ep changes every
 rank's program (activation sizes, layers per stage, compute), so the trace phase must run at
 that layout (``pitstop emulate --tp ... --pp ...``). What it leaves alone: the compute of the
