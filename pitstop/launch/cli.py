@@ -147,6 +147,10 @@ def _parser(more: Optional[Callable] = None) -> argparse.ArgumentParser:
     em.add_argument("--recovery-costs", metavar="PATH",
                     help="with --fault: a real replacement's detection and planning times: a `pitstop launch` run "
                          "directory, its events.jsonl, or a JSON {detect_s, plan_s}")
+    em.add_argument("--chakra", action="store_true",
+                    help="also write the target-scale graph as Chakra execution traces, one file per rank "
+                         "(OUT/chakra/et.RANK.et and et.comm_groups.json, for ASTRA-sim); needs protobuf")
+    em.add_argument("--chakra-ranks", metavar="R,R,...", help="with --chakra: only these ranks' files")
     em.add_argument("--what-if", action="append", default=[], metavar="dp=N,topology=T",
                     help="also replay the recorded graph with another data-parallel degree and/or network, "
                          "without rerunning (repeatable); another tp/pp/cp/ep is refused: it needs its own trace")
@@ -268,10 +272,16 @@ def _emulate(args) -> int:
     spec = EmulateSpec(args.world_size, args.tp, args.pp, real, script,
                        Path(args.out), args.topology, args.cp, args.ep, args.timeout, memory=not args.no_memory,
                        trace_ranks=list(range(args.world_size)) if args.trace_all else None, fit_network=args.fit_network,
-                       fault=fault, recovery_costs=costs, what_if=[WhatIf.parse(w) for w in args.what_if])
+                       fault=fault, recovery_costs=costs, what_if=[WhatIf.parse(w) for w in args.what_if],
+                       chakra=args.chakra or bool(args.chakra_ranks),
+                       chakra_ranks=parse_ranks(args.chakra_ranks, args.world_size) if args.chakra_ranks else None)
     report = emulate(spec)
     print(table(report))
     print(f"report: {spec.out / 'report.json'}   trace: {spec.out / 'trace.json'} (ui.perfetto.dev)")
+    if report.get("chakra"):
+        c = report["chakra"]
+        print(f"chakra: {c['ranks']} rank file(s) {c['prefix']}.RANK.et, {c['nodes']} nodes, {c['bytes']:,} B "
+              f"(schema {c['schema_version']}); comm groups: {c['prefix']}.comm_groups.json")
     return 0
 
 

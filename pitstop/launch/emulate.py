@@ -17,8 +17,9 @@ Two phases, each a set of real processes under ``torch.distributed.elastic``::
                 of its own, so the counting never slows a timed phase.
 
 Output in ``--out``: ``report.json`` (per real rank: measured and replayed iteration
-time, the replayed breakdown, peak memory), ``trace.json`` (Chrome / Perfetto), and
-a table on the terminal. Bad input (a layout that does not divide N, real ranks
+time, the replayed breakdown, peak memory), ``trace.json`` (Chrome / Perfetto), with
+``--chakra`` the whole graph as Chakra execution traces (``chakra/et.<rank>.et``, for
+ASTRA-sim), and a table on the terminal. Bad input (a layout that does not divide N, real ranks
 outside the world, a topology file with missing fields) is refused before any
 process starts.
 """
@@ -67,6 +68,10 @@ class EmulateSpec:
     must be one of ``real_ranks`` (its state and build are measured on it)."""
     recovery_costs: Optional["RecoveryCosts"] = None
     """The control plane's measured detection and planning (needed with ``fault``)."""
+    chakra: bool = False
+    """Also write the target-scale graph as Chakra execution traces (``<out>/chakra/et.<rank>.et``)."""
+    chakra_ranks: Optional[List[int]] = None
+    """Whose Chakra files (default every rank)."""
     what_if: Sequence["WhatIf"] = ()
     """Replays of the recorded graph under another dp or topology (:mod:`pitstop.emulation.whatif`)."""
 
@@ -117,6 +122,12 @@ def validate(spec: EmulateSpec):
             raise ConfigError(f"--fault rank={spec.fault.rank}: dp={layout.dp} leaves no data-parallel peer with the "
                               "role's state; a replacement would restore a checkpoint, which emulate does not predict")
         topology.group_build_cost(1)  # TopologyError now, naming the fix, if it was never measured
+    if spec.chakra_ranks is not None:
+        parse_ranks(",".join(map(str, spec.chakra_ranks)), spec.world_size)
+    if spec.chakra:
+        from pitstop.emulation.chakra import _messages
+
+        _messages()  # the protobuf runtime is there, or MissingDependencyError names the extra
     for w in spec.what_if:  # before any process starts: the layout it asks for, its topology file
         w.layout(layout)
         if w.topology is not None:
@@ -206,6 +217,12 @@ def emulate(spec: EmulateSpec) -> Dict[str, Any]:
         report["failure"] = predicted_failure(spec, layout, topology, result)
     if spec.what_if:
         report["what_if"] = [what_if(w, layout, topology, traces, report) for w in spec.what_if]
+    if spec.chakra:
+        from pitstop.emulation.chakra import export
+
+        t_ch = time.perf_counter()
+        report["chakra"] = export(result, out / "chakra" / "et", spec.chakra_ranks)
+        report["chakra"]["seconds"] = round(time.perf_counter() - t_ch, 3)
     report["launcher_max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "trace.json").write_text(json.dumps(to_chrome_trace(result, sorted(set(spec.real_ranks) | set(result.partition.reps)))))
