@@ -168,17 +168,13 @@ def export(result: Any, prefix: Path, ranks: Optional[Sequence[int]] = None) -> 
                 target = graph.target(rank, op)
                 dur = int(round((t.end - t.start - t.wait) * 1e6))
                 common = [Attr(name="is_cpu_op", bool_val=False), Attr(name="comm_size", int64_val=int(op.nbytes))]
-                if op.op == "send":
-                    k = sent.get(target, 0)
-                    sent[target] = k + 1
-                    n = Node(id=nid, name=f"send to {target}", type=COMM_SEND_NODE, start_time_micros=start,
-                             duration_micros=dur, attr=common + [Attr(name="comm_dst", int32_val=int(target)),
-                                                                 Attr(name="comm_tag", int32_val=k)])
-                elif op.op == "recv":
-                    k = got.get(target, 0)
-                    got[target] = k + 1
-                    n = Node(id=nid, name=f"recv from {target}", type=COMM_RECV_NODE, start_time_micros=start,
-                             duration_micros=dur, attr=common + [Attr(name="comm_src", int32_val=int(target)),
+                if op.is_p2p:  # the k-th message on a channel has tag k on both of its ends
+                    counts, ntype, peer, words = ((sent, COMM_SEND_NODE, "comm_dst", "send to") if op.op == "send"
+                                                  else (got, COMM_RECV_NODE, "comm_src", "recv from"))
+                    k = counts.get(target, 0)
+                    counts[target] = k + 1
+                    n = Node(id=nid, name=f"{words} {target}", type=ntype, start_time_micros=start,
+                             duration_micros=dur, attr=common + [Attr(name=peer, int32_val=int(target)),
                                                                  Attr(name="comm_tag", int32_val=k)])
                 else:
                     if op.op not in COMM_TYPE:
