@@ -37,7 +37,7 @@ from pitstop.layout import ParallelLayout
 from pitstop.logtag import tag
 from pitstop.plan import comm_kinds, plan_replace, realization
 from pitstop.roster import ProcessInfo
-from pitstop.store import sealed
+from pitstop.store import ConnectionPool, sealed
 
 log = logging.getLogger(__name__)
 
@@ -92,21 +92,6 @@ class Pending:
     seconds: float
 
 
-def _own_connection(store: dist.Store) -> dist.Store:
-    """A second client of the same store (same prefixes, its own socket).
-
-    A c10d ``TCPStore`` client holds one lock for the whole of a blocking ``wait``, so
-    a background :meth:`GroupRegistry.prepare` whose gloo rendezvous waits for a late
-    peer would stall every other store call of the process (the training thread's
-    step verdict), and those peers' prepares may be waiting for that very verdict:
-    a deadlock until the 120 s timeout. Stores that cannot clone are used as they are.
-    """
-    try:
-        return store.clone()
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return store
-
-
 def _concurrently(fns: List, what: str, undo=None) -> List:
     """Run ``fns`` each in a thread of its own; their results in order. If any raised, the
     results of the others are handed to ``undo`` and the first error is raised."""
@@ -138,6 +123,16 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+def most_rendezvous(world_size: int) -> int:
+    """The most communicators one rank of a ``world_size`` job builds (one rendezvous each):
+    what a standby, which does not know its layout yet, opens connections for."""
+    layout = ParallelLayout(world_size)
+    return max(1, len(comm_kinds(layout)))
+
+
+VIRTUAL = "pitstop_virtual"
+"""The emulation backend's name (:mod:`pitstop.virtual`): its groups never rendezvous."""
+
 SOLO = "solo"
 """The kind of :meth:`GroupRegistry.solo`: not a Megatron kind, and in no layout's plan."""
 
@@ -157,6 +152,7 @@ class GroupRegistry:
         prefix: str = "pitstop",
         fence: Optional[pgmod.Fence] = pgmod.FENCE,
         deferred: bool = False,
+        connections: Optional[ConnectionPool] = None,
     ) -> None:
         if not dist.is_initialized():
             raise GroupError("torch.distributed is not initialised: call pitstop.pg.init_world() first")
@@ -178,9 +174,17 @@ class GroupRegistry:
         (:class:`pitstop.pg.Fence`); None builds plain, unguarded communicators."""
         self._entries: Dict[str, Entry] = {}
         self._retired: List[dist.ProcessGroup] = []
-        self._pool: List[dist.Store] = []
-        """Store connections lent to concurrent rendezvous (:meth:`_on_own_connection`)."""
-        self._pool_lock = threading.Lock()
+        if connections is not None and connections.store is not store:
+            raise GroupError("connections must be a pool of the registry's own store (ConnectionPool(store))")
+        self.connections = connections if connections is not None else ConnectionPool(store)
+        """Store connections for rendezvous that run at once, one each (a c10d client
+        holds one lock for the whole of a blocking ``wait``, so a background
+        :meth:`prepare` whose rendezvous waits for a late peer on the training thread's
+        connection would stall that thread's step verdict, which those peers may be
+        waiting for: a deadlock). Opened by :meth:`build` (or a standby, before it had a
+        role), so a replacement opens none; see :class:`pitstop.store.ConnectionPool`."""
+        self._taken: List[dist.Store] = []
+        """Connections a deferred build took, given back once it is done."""
         self._deferred: Optional[List] = [] if deferred else None
         """A joiner's communicators still to build (see :meth:`build` and :meth:`attach`)."""
         self._builder: Optional[threading.Thread] = None
@@ -203,43 +207,40 @@ class GroupRegistry:
     # ----------------------------------------------------------------- building
     def _build_comm(self, kind: str, ranks: Tuple[int, ...], gen: int, base: Optional[dist.Store] = None,
                     deferred: Optional[List] = None) -> Entry:
-        # deferred: the builder thread opens the group's own connection when it runs
-        store = (lambda: self._store_for(gen, _own_connection(self.store))) if deferred is not None \
-            else self._store_for(gen, base)
+        if deferred is not None:  # the builder thread takes the group's own connection when it runs
+            box: List[dist.Store] = []
+
+            def store() -> dist.Store:  # one connection per group: its gloo twin rendezvouses after it
+                if not box:
+                    conn = self.connections.take()
+                    self._taken.append(conn)
+                    box.append(self._store_for(gen, conn))
+                return box[0]
+        else:
+            store = self._store_for(gen, base)
         group = pgmod.new_comm(ranks, self.backend, store, self._name(kind, ranks, gen), self.timeout, kind, self.fence,
                                deferred)
         gloo = None
         if self.gloo_twins and kind in GLOO_TWIN_KINDS:
-            gloo = group if self.backend in ("gloo", "pitstop_virtual") else pgmod.new_comm(
+            gloo = group if self.backend in ("gloo", VIRTUAL) else pgmod.new_comm(
                 ranks, "gloo", store, self._name(kind, ranks, gen, "+gloo"), self.timeout, kind + "+gloo", self.fence,
                 deferred,
             )
         return Entry((kind, ranks, gen), group, "comm", gloo)
 
-    def _on_own_connection(self, kind: str, ranks: Tuple[int, ...], gen: int,
-                           conn: Optional[dist.Store] = None) -> Entry:
-        """Build one communicator over a store connection no other thread uses meanwhile:
-        ``conn`` (lent by :meth:`_lend`) or a fresh one, which joins the pool afterwards.
-
-        The connections are kept and lent again at the next delta: a rendezvous needs the
-        store only while the group is built, and opening fresh ones every time would pile
-        up sockets on every process, and on the store's server, over a long job."""
-        if conn is None:
-            conn = _own_connection(self.store)
+    def _on_own_connection(self, kind: str, ranks: Tuple[int, ...], gen: int, conn: dist.Store) -> Entry:
+        """Build one communicator over ``conn``, a connection no other thread uses meanwhile
+        (lent by :meth:`ConnectionPool.lend`), which goes back to the pool afterwards: a
+        rendezvous needs the store only while its group is built."""
         try:
             return self._build_comm(kind, ranks, gen, conn)
         finally:
-            with self._pool_lock:
-                self._pool.append(conn)
+            self.connections.give(conn)
 
-    def _lend(self, n: int) -> List[Optional[dist.Store]]:
-        """``n`` pooled connections, None standing for each one missing, taken before the
-        rendezvous threads start: a thread that finished early and returned its connection
-        cannot have it taken by a later thread, so the pool after a delta holds exactly as
-        many connections as the largest delta so far (not a number that depends on timing)."""
-        with self._pool_lock:
-            lent: List[Optional[dist.Store]] = [self._pool.pop() for _ in range(min(n, len(self._pool)))]
-        return lent + [None] * (n - len(lent))
+    def rendezvous_count(self) -> int:
+        """How many communicators of this rank rendezvous in a full build: the most any
+        delta of this rank can rebuild at once, so the connections :meth:`build` reserves."""
+        return sum(1 for k in comm_kinds(self.layout) if self.layout.group_of(k, self.rank) is not None)
 
     def _derive(self, kind: str, gen: int, entries: Dict[str, Entry]) -> Entry:
         r = realization(self.layout, kind)
@@ -279,6 +280,11 @@ class GroupRegistry:
             self._builder.start()
             return
         self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation, self._entries)
+        if self.backend != VIRTUAL:  # a virtual group never rendezvouses
+            t0 = time.perf_counter()
+            made = self.connections.reserve(self.rendezvous_count())
+            log.debug("%s %d store connections reserved for a replacement in %.3fs", tag(self.generation, self.rank),
+                      made, time.perf_counter() - t0)
 
     def _run_deferred(self) -> None:
         t0 = time.perf_counter()
@@ -288,6 +294,10 @@ class GroupRegistry:
         except BaseException as exc:  # noqa: BLE001 - raised by attach() in the caller's thread
             self._builder_error = exc
             return
+        finally:
+            taken, self._taken = self._taken, []
+            for conn in taken:
+                self.connections.give(conn)
         log.info("%s %d communicators built in the background in %.3fs", tag(self.generation, self.rank),
                  sum(len(t) for t in tasks), time.perf_counter() - t0)
 
@@ -342,7 +352,7 @@ class GroupRegistry:
                 deferred.append(tasks)
                 built.append(kind)
         elif concurrent:
-            conns = self._lend(len(todo))
+            conns = self.connections.lend(len(todo))
             made = _concurrently([(lambda k=kind, r=ranks, c=c: self._on_own_connection(k, r, gen, c))
                                   for (kind, ranks), c in zip(todo, conns)],
                                  f"r{self.rank} g{gen}", self._destroy_entry) if len(todo) > 1 else \
@@ -429,7 +439,7 @@ class GroupRegistry:
 
         Nothing is swapped: the current groups stay installed and usable, so this
         may run in a background thread while training goes on (a planned drain). The
-        new groups rendezvous over their own store connection (:func:`_own_connection`),
+        new groups rendezvous over store connections of their own (:attr:`connections`),
         so their waits never block the training thread's use of the store.
         """
         roles = (role,) if isinstance(role, int) and not isinstance(role, bool) else tuple(role)

@@ -35,6 +35,7 @@ from pitstop.errors import GroupError
 from pitstop import memory
 from pitstop.memory import untracked
 from pitstop.protocol import Refused, open_raw, seal_raw
+from pitstop.store import ConnectionPool
 
 log = logging.getLogger(__name__)
 
@@ -577,7 +578,7 @@ def _world_creator(store, rank, size, timeout):
 
 def init_world(
     store: dist.Store, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=5),
-    *, epoch: int = 0, detached: bool = False,
+    *, epoch: int = 0, detached: bool = False, spare: Optional[ConnectionPool] = None,
 ) -> None:
     """Initialise torch.distributed with pitstop's store-backed world group.
 
@@ -588,11 +589,23 @@ def init_world(
     """
     if WORLD_BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(WORLD_BACKEND, _world_creator, devices=["cpu", "cuda"])
-    dist.init_process_group(
-        WORLD_BACKEND, store=dist.PrefixStore("pitstop/world" + (f"/e{epoch}" if epoch else ""), store),
-        rank=rank, world_size=world_size, timeout=timeout,
-    )
-    world_group().detached = detached
+    prefix = "pitstop/world" + (f"/e{epoch}" if epoch else "")
+    world_store = dist.PrefixStore(prefix, store)
+    dist.init_process_group(WORLD_BACKEND, store=world_store, rank=rank, world_size=world_size, timeout=timeout)
+    g = world_group()
+    g.detached = detached
+    # spare: connections a standby opened to ``store`` while it waited for its role
+    g.connections = spare.prefixed(prefix, world_store) if spare is not None else ConnectionPool(world_store)
+
+
+def world_connections() -> Optional[ConnectionPool]:
+    """The pool of the store the world group was initialised with (``.store``), for the
+    group registry's rendezvous; None when the default group is not pitstop's (a plain
+    ``init_process_group``, whose default store the registry then uses as it is)."""
+    if not dist.is_initialized():
+        return None
+    g = c10d._get_default_group()
+    return getattr(g, "connections", None) if isinstance(g, StoreWorldGroup) else None
 
 
 def world_group() -> StoreWorldGroup:

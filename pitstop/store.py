@@ -207,3 +207,89 @@ class SealedStore(dist.Store):
     def clone(self) -> "SealedStore":
         """Another connection, sealed with the same token (see :func:`pitstop.groups._own_connection`)."""
         return SealedStore(self.inner.clone(), self._token)
+
+
+class ConnectionPool:
+    """Spare clients of one store, opened ahead of need and lent to concurrent rendezvous.
+
+    Why open them early: a c10d ``TCPStore`` server resolves every accepted client's
+    address back to a host name (``getnameinfo``, a reverse DNS query) on its one event
+    thread. When that query's answer is lost, glibc waits its resolver timeout (5 s by
+    default) and the whole store stalls meanwhile: every client of the job, the step
+    verdicts included. Seen here as a replacement whose stayers opened a connection per
+    delta group and all waited exactly 5.0 s (strace: ``accept4``, ``/etc/hosts``, a PTR
+    query for ``1.0.0.127.in-addr.arpa``, ``poll(..., 5000)`` timing out, the retry
+    answered). A job that opens its rendezvous connections when it builds its groups,
+    and a standby that opens them while it waits, pay that risk off the critical path::
+
+        build / standby warmup:  reserve(n)  -> n connections open, spare
+        replacement (k groups):  lend(k)     -> k spare ones, one per rendezvous thread
+                                 give(c)     <- each back once its group is built
+
+    ``opened`` counts every connection this pool ever opened, so a test can tell a
+    replacement that opened none. A store that cannot clone is lent as itself.
+    """
+
+    def __init__(self, store: dist.Store, spare: Optional[list] = None) -> None:
+        import threading
+
+        self.store = store
+        self._spare: list = list(spare or [])
+        self._lock = threading.Lock()
+        self.opened = len(self._spare)
+        """Connections this pool opened or was handed, in all (lent ones included)."""
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._spare)
+
+    def open(self) -> dist.Store:
+        """A new connection (counted), or the store itself if it cannot clone."""
+        try:
+            conn = self.store.clone()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return self.store
+        with self._lock:
+            self.opened += 1
+        return conn
+
+    def reserve(self, n: int) -> int:
+        """Open connections until the pool owns ``n`` (spare and lent); returns how many it opened."""
+        if n < 0:
+            raise PitstopError(f"reserve(n={n}): expected a count >= 0")
+        made = 0
+        while True:
+            with self._lock:
+                if self.opened >= n:
+                    return made
+            conn = self.open()
+            if conn is self.store:  # cannot clone: nothing to keep
+                return made
+            made += 1
+            self.give(conn)
+
+    def lend(self, n: int) -> list:
+        """``n`` connections: the spare ones first, then fresh ones, all taken before any
+        rendezvous thread starts (so the pool after a delta owns as many connections as the
+        largest delta so far, not a number that depends on which thread finished first)."""
+        with self._lock:
+            lent = [self._spare.pop() for _ in range(min(n, len(self._spare)))]
+        return lent + [self.open() for _ in range(n - len(lent))]
+
+    def take(self) -> dist.Store:
+        return self.lend(1)[0]
+
+    def give(self, conn: dist.Store) -> None:
+        """Return a connection lent by :meth:`lend` (the store itself is not kept)."""
+        if conn is self.store:
+            return
+        with self._lock:
+            self._spare.append(conn)
+
+    def prefixed(self, prefix: str, store: dist.Store) -> "ConnectionPool":
+        """This pool's spare connections, each behind ``PrefixStore(prefix)``, as the pool of
+        ``store`` (which must be ``PrefixStore(prefix, self.store)``): a standby opens raw
+        connections before it knows its world's prefix."""
+        with self._lock:
+            spare, self._spare = self._spare, []
+        return ConnectionPool(store, [dist.PrefixStore(prefix, c) for c in spare])

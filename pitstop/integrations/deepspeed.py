@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from pitstop import pg as pgmod
 from pitstop.errors import ConfigError, RecoveryError, require
 from pitstop.groups import GroupRegistry
 from pitstop.integrations.deepspeed_config import PitstopSection, refuse_unsupported, strip_section
@@ -194,9 +195,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             from pitstop.virtual import VIRTUAL_BACKEND
 
             backend = VIRTUAL_BACKEND
-        reg = GroupRegistry(layout, c10d._get_default_store(), generation=generation, backend=backend,
-                            timeout=timedelta(seconds=timeout_s), gloo_twins=False,
-                            deferred=worker.defers_groups())
+        pool = pgmod.world_connections()  # pitstop's world: its store and spare connections
+        reg = GroupRegistry(layout, pool.store if pool is not None else c10d._get_default_store(),
+                            generation=generation, backend=backend, timeout=timedelta(seconds=timeout_s),
+                            gloo_twins=False, deferred=worker.defers_groups(), connections=pool)
         # rank 0 of a fresh controlled job records its set-up and step 1 for standbys to replay
         _sandbox.maybe_start_recording(layout, dist.get_rank(), m)
         reg.build()

@@ -20,6 +20,7 @@ import re
 from datetime import timedelta
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from pitstop import pg as pgmod
 from pitstop.errors import InstallError, require
 from pitstop.groups import SOLO, GroupRegistry
 from pitstop.layout import ParallelLayout
@@ -300,14 +301,16 @@ def initialize_model_parallel(
         from pitstop.virtual import VIRTUAL_BACKEND
 
         backend = VIRTUAL_BACKEND
+    pool = pgmod.world_connections() if store is None else None  # pitstop's world: its store and spare connections
     reg = GroupRegistry(
         layout,
-        store if store is not None else c10d._get_default_store(),
+        store if store is not None else pool.store if pool is not None else c10d._get_default_store(),
         generation=_default_generation() if generation is None else generation,
         backend=backend,
         timeout=_group_timeout(distributed_timeout_minutes),
         gloo_twins=create_gloo_process_groups,
         deferred=_defers_groups(),
+        connections=pool,
     )
     from pitstop.runtime.worker import current
 

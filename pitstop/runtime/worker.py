@@ -346,6 +346,22 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+def _open_spare_connections(store, world: int, slot: int):
+    """A standby opens its communicators' store connections while it waits, not once it has
+    a role: each new connection costs the store's server a reverse DNS lookup, which stalls
+    every client of the job for the resolver's timeout when its answer is lost (see
+    :class:`pitstop.store.ConnectionPool`). As many as any rank's full build rendezvouses."""
+    from pitstop.groups import most_rendezvous
+    from pitstop.store import ConnectionPool
+
+    t0 = time.perf_counter()
+    spare = ConnectionPool(store)
+    n = spare.reserve(most_rendezvous(world))
+    log.info("[standby %d] %d store connections opened for its communicators in %.3fs", slot, n,
+             time.perf_counter() - t0)
+    return spare
+
+
 def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], dict]] = None) -> Membership:
     """Become a member of the job described by the environment, and initialise torch.distributed.
 
@@ -400,6 +416,7 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
 
             sandbox.warm_up(ch, slot, warmup, interrupted=interrupted, timeout_s=cfg.collective_timeout_s * 5)
         _freeze_heap()
+        spare = _open_spare_connections(store, world, slot)
         log.info("[standby %d] warm and waiting for a role", slot)
         try:
             assignment = _wait_assignment(ch, slot, world)
@@ -413,14 +430,14 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
         role, gen, mode = assignment["role"], assignment["generation"], assignment["mode"]
         os.environ["RANK"] = str(role)
     else:
-        assignment = {}
+        assignment, spare = {}, None
         role, gen = int(os.environ["RANK"]), int(os.environ.get(ENV_GENERATION, 0))
         mode = "restart" if os.environ.get(ENV_RESUME) else "worker"
     hb.grace_s = cfg.collective_timeout_s + 5.0  # a worker's training thread stops by itself at its boundary
     _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb, channel=ch)
     # the world group's values and every communicator's rendezvous (gloo addresses) are sealed
     store_mod.JOB_TOKEN = ch.token
-    init_world(store, role, world, timeout, epoch=epoch, detached=_CURRENT.joiner)
+    init_world(store, role, world, timeout, epoch=epoch, detached=_CURRENT.joiner, spare=spare)
     if _CURRENT.joiner:  # builds its role without talking to anyone until the session takes its state
         from pitstop.pg import FENCE
 

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from pitstop.errors import GroupError, RosterError
-from pitstop.groups import GroupRegistry
+from pitstop.groups import GroupRegistry, most_rendezvous
+from pitstop.store import ConnectionPool
 from pitstop.layout import ParallelLayout
 from pitstop.pg import init_world
 from pitstop.store import connect_from_env
@@ -88,10 +89,13 @@ def deferred_joiner(out_dir):
     layout = ParallelLayout(world, tp=2)
     reg = GroupRegistry(layout, store, timeout=T)
     reg.build()  # generation 0, everyone (rank 3 as the old process of role 3)
-    res = {"rank": rank}
+    res = {"rank": rank, "opened_at_build": reg.connections.opened, "rendezvous": reg.rendezvous_count()}
     if rank == world - 1:
         FENCE.local = True
-        reg = GroupRegistry(layout, store, generation=1, timeout=T, deferred=True)
+        spare = ConnectionPool(store)  # as a standby does while it waits (worker._open_spare_connections)
+        spare.reserve(most_rendezvous(world))
+        res["joiner_spare"] = spare.opened
+        reg = GroupRegistry(layout, store, generation=1, timeout=T, deferred=True, connections=spare)
         reg.build()
         res["deferred_after_build"] = reg.deferred
         store.set("pgtest/joiner-built", "1")  # only now do the stayers start their side
@@ -111,6 +115,7 @@ def deferred_joiner(out_dir):
         FENCE.local = False
         res["same_object"] = reg.group("dp") is dp
         res["deferred_after_attach"] = reg.deferred
+        res["joiner_opened"] = reg.connections.opened
     else:
         store.wait(["pgtest/joiner-built"], timedelta(seconds=30))
         reg.commit(reg.prepare(world - 1))
@@ -122,7 +127,8 @@ def deferred_joiner(out_dir):
     dist.all_reduce(t, group=reg.group("tp"))
     res["tp_sum"] = t.item()
     # a second replacement of role 3: the stayers' rendezvous reuse the connections of the first
-    res["pool_after_1"] = len(reg._pool)
+    res["pool_after_1"] = len(reg.connections)
+    res["opened_after_1"] = reg.connections.opened
     if rank == world - 1:
         FENCE.local = True
         reg2 = GroupRegistry(layout, store, generation=2, timeout=T, deferred=True)
@@ -135,7 +141,8 @@ def deferred_joiner(out_dir):
     else:
         store.wait(["pgtest/joiner-built-2"], timedelta(seconds=30))
         reg.commit(reg.prepare(world - 1))
-        res["pool_after_2"] = len(reg._pool)
+        res["pool_after_2"] = len(reg.connections)
+        res["opened_after_2"] = reg.connections.opened
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t, group=reg.group("dp"))
     res["dp_sum_2"], res["generation_2"] = t.item(), reg.generation
