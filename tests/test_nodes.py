@@ -73,8 +73,10 @@ def test_remote_agents_report_a_silent_machine_and_one_that_never_joined(dict_st
     st.set(keys.node(0, "hb"), "junk")                              # junk is not a beat
     ch.put(keys.node(0, "hb"), {"n": 1})
     assert ra.poll() == []
-    time.sleep(0.35)
-    out = ra.poll()
+    out, t_end = [], time.monotonic() + 1.0
+    while len(out) < 2 and time.monotonic() < t_end:  # it looks on, and sees the silence
+        out += ra.poll()
+        time.sleep(0.05)
     assert {p.name: p.exit for p in out} == {"w0": "machine 0 lost",
                                             "w1": "machine 1 never joined (no agent hello within 0s)"}
     assert sorted(lost) == [0, 1] and not ra.alive(0)
@@ -313,3 +315,44 @@ def test_a_machines_link_reports_its_agents_death_at_once_and_refuses_impostors(
             proc.wait()
     finally:
         srv.close()
+
+
+def test_silence_the_controller_did_not_see_is_not_counted_but_real_silence_still_is(dict_store):
+    """Confirm 0.3 s after a reported failure. The controller does not look for 1.2 s (its loop
+    busy, or its store reads stalled) while both machines' beats are due: the next look must
+    not call them lost, since it saw no silence. Machine 0 then stays silent while the
+    controller looks every 0.05 s: it is lost after 0.3 s of seen silence; machine 1, which
+    beats, stays."""
+    import time
+
+    from pitstop.launch.remote import Lookout, RemoteAgents
+    from pitstop.protocol import Channel
+    from pitstop.runtime import keys
+
+    st, lost = dict_store, []
+    ch = Channel(st, "t" * 64)
+    ra = RemoteAgents(ch, "/nonexistent", 2, heartbeat_timeout_s=5.0, on_node_lost=lambda k, s: lost.append((k, s)),
+                      poll_s=0.0, confirm_s=0.3)
+    for k in (0, 1):
+        ch.put(keys.node(k, "hello"), {"node": k, "host": "h", "addr": f"127.0.0.{k + 2}", "nproc": 1, "pid": 5})
+        ra.start(f"w{k}", {}, k)
+        ch.put(keys.node(k, "hb"), {"n": 1})
+    assert ra.poll() == []
+    ra.suspect()
+    time.sleep(1.2)                                   # the controller is blind; nobody's beat lands
+    assert ra.poll() == [] and lost == [], lost       # 1.2 s unseen: not a loss
+    t0, out, beat = time.monotonic(), [], 1
+    while not out and time.monotonic() - t0 < 3.0:    # now it looks: only machine 1 beats
+        beat += 1
+        ch.put(keys.node(1, "hb"), {"n": beat})
+        out = ra.poll()
+        time.sleep(0.05)
+    seen = time.monotonic() - t0
+    assert [p.name for p in out] == ["w0"] and [k for k, _ in lost] == [0] and ra.alive(1), (out, lost)
+    assert 0.15 <= seen < 1.0, seen                   # lost on the silence it saw (0.3 s, 0.1 of it in the gap)
+
+    lk = Lookout(0.5)
+    assert lk.look(10.0) == 0.0 and lk.look(10.4) == 0.0 and abs(lk.look(12.0) - 1.1) < 1e-9
+    assert abs(lk.blind_s - 1.1) < 1e-9
+    with pytest.raises(ValueError, match=r"allowance_s\(0\)"):
+        Lookout(0)

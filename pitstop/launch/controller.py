@@ -33,7 +33,7 @@ from pitstop.errors import PitstopError
 from pitstop.launch.agent import Agent, Proc
 from pitstop.launch.events import CHECKPOINTS, CONTROLLER, ROSTER, EventLog, write_private
 from pitstop.launch.nodes import Nodes
-from pitstop.launch.remote import RemoteAgents
+from pitstop.launch.remote import Lookout, RemoteAgents
 from pitstop.launch.local import worker_env
 from pitstop.protocol import ENV_TOKEN, Channel, Refused, Verdict, new_token
 from pitstop.roster import ProcessInfo, Roster
@@ -194,6 +194,7 @@ class Controller:
         self.lost_at = 0.0
         self.lost_detected = 0.0
         self.lost_waiting = False                      # a failure waits for standbys still starting
+        self._lookout = Lookout()                      # process heartbeats: silence unseen is not counted
         self.agent: Any = (RemoteAgents(self.ch, self.run_dir, spec.nodes.max, self.cfg.heartbeat_timeout_s,
                                         self._node_lost, confirm_s=self.confirm_s(), probe_s=self.probe_s(),
                                         link_host=self.host, on_refused=self._refused)
@@ -609,9 +610,11 @@ class Controller:
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
+        blind = self._lookout.look(now)  # silence the controller did not see is not counted
         for m in list(self.members.values()):
             if m.proc is None or not m.proc.running:
                 continue
+            m.last_beat = min(now, m.last_beat + blind) if blind > 0 and m.last_beat <= now else m.last_beat
             hb = self.ch.read(keys.heartbeat(m.slot), protocol.HEARTBEAT)
             beats = m.beats if hb is None else hb["n"]
             if beats < m.beats:

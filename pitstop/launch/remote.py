@@ -73,6 +73,40 @@ class NodeState:
     """Why it was called lost: silence, an unanswered probe, or no hello."""
 
 
+class Lookout:
+    """How long a watcher could not look: silence it did not see is no evidence.
+
+    The controller judges a machine (or a process) by how long its heartbeat has been
+    silent. If the controller itself did not look for a while (its loop was busy handling
+    a failure, or its store reads waited on a stalled store server), every heartbeat looks
+    silent at once, and the next look would call every machine lost together (seen once: all
+    five machines "silent for 3.2 s after a reported failure", after the controller's loop had
+    not polled for 3.5 s; the job failed with no machine left). :meth:`look` returns the
+    seconds of the gap since the previous look beyond ``allowance_s`` (a normal loop's gap),
+    which the caller adds to each heartbeat's last-seen time::
+
+        look   look   (busy 3.5 s)                 look
+          |------|-------------------------------------|
+                                                 blind = 3.5 - allowance
+    """
+
+    def __init__(self, allowance_s: float = 0.5) -> None:
+        if allowance_s <= 0:
+            raise ValueError(f"allowance_s({allowance_s}) must be > 0")
+        self.allowance_s = allowance_s
+        self._last: Optional[float] = None
+        self.blind_s = 0.0
+        """All the blind time seen so far."""
+
+    def look(self, now: float) -> float:
+        last, self._last = self._last, now
+        if last is None:
+            return 0.0
+        blind = max(0.0, now - last - self.allowance_s)
+        self.blind_s += blind
+        return blind
+
+
 class RemoteAgents:
     """Processes on machines ``0 .. nodes-1``, each run by that machine's agent."""
 
@@ -99,6 +133,9 @@ class RemoteAgents:
         """A machine whose agent has not said hello by then never joined: its processes are lost."""
         self._started = time.monotonic()
         self._last_poll = 0.0
+        # a normal loop's gap counts as seen; a longer one is blind time (a third of the
+        # confirming silence at most, so a blind spell cannot confirm a loss by itself)
+        self._lookout = Lookout(max(4 * poll_s, min(0.5, self.confirm_s / 3)) or 0.5)
         self.links: Optional[LinkServer] = None
         """Each agent's TCP link (:mod:`pitstop.launch.link`): a machine whose agent dies is lost at once."""
         if link_host is not None:
@@ -196,6 +233,13 @@ class RemoteAgents:
         if now - self._last_poll < self.poll_s:
             return []
         self._last_poll = now
+        blind = self._lookout.look(now)
+        if blind > 0:
+            log.info("the controller did not look at the machines for %.2fs: that silence is not counted", blind)
+            for st in self.nodes.values():
+                st.last_beat = min(now, st.last_beat + blind)
+                if st.probe_n:
+                    st.probe_sent = min(now, st.probe_sent + blind)
         timeout = self._timeout(now)
         out: List[RemoteProc] = []
         if self.links is not None:

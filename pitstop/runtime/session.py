@@ -148,7 +148,7 @@ class Session:
             # peer is freed within a round trip of the controller's announcement, not at the
             # next heartbeat
             self._end_watch = worker.KeyWatch(f"ended-r{self.rank}", lambda: keys.ended(self.gen), self._watch,
-                                              self.ch, protocol.STAMP).start()
+                                              self.ch, protocol.STAMP, self.m.take_connection()).start()
 
     # ------------------------------------------------------------------ helpers
     def prefix(self) -> str:
@@ -599,14 +599,17 @@ class Session:
             roles = info["roles"]
             plan = plan_replace(self.layout, tuple(roles), gen, gen + 1)
             if self.rank in roles:
-                d["handoff"] = _handoff_pair(gen, self.rank, 0, self.cfg)
+                d["handoff"] = _handoff_pair(gen, self.rank, 0, self.cfg, self.m.take_connection())
             elif self.rank in plan.ranks_involved:
                 d["pending"] = self.registry.prepare(roles)
             else:
                 return
-            ch = self.ch.sibling(_client())  # this thread's own connection
+            conn = self.m.take_connection() or _client()  # this thread's own connection
+            ch = self.ch.sibling(conn)
             if ch.add(keys.drain_nready(gen), 1) == len(plan.ranks_involved) + len(roles):
                 ch.put(keys.drain_ready(gen), {"set": True})
+            if self.m.connections is not None:
+                self.m.connections.give(conn)
         except Exception as exc:  # noqa: BLE001 - reported at the switch
             d["error"] = exc
             log.exception("%s drain preparation failed", self.prefix())
@@ -738,7 +741,7 @@ class Session:
         roles = protocol.role_list(a, self.layout.world_size) if a.get("roles") else [self.rank]
         self.registry.attach()
         self.fence.local = False
-        pair = _handoff_pair(old_gen, self.rank, 1, self.cfg)
+        pair = _handoff_pair(old_gen, self.rank, 1, self.cfg, self.m.take_connection())
         plan = plan_replace(self.layout, tuple(roles), old_gen, old_gen + 1)
         ch = self.ch
         if ch.add(keys.drain_nready(old_gen), 1) == len(plan.ranks_involved) + len(roles):
@@ -802,15 +805,16 @@ def _client() -> dist.Store:
     return connect(os.environ[ENV_STORE], timeout=timedelta(minutes=5))
 
 
-def _handoff_pair(gen: int, role: int, rank: int, cfg) -> dist.ProcessGroup:
-    """The leaver (0) and the joiner (1) of ``role``'s drain: a two-process gloo pair of their own."""
+def _handoff_pair(gen: int, role: int, rank: int, cfg, conn: Optional[dist.Store] = None) -> dist.ProcessGroup:
+    """The leaver (0) and the joiner (1) of ``role``'s drain: a two-process gloo pair of their own,
+    over ``conn`` (a spare connection to the control store) or a new one."""
     import os
 
     from pitstop.patches import gloo_address
 
     from pitstop.store import sealed
 
-    store = dist.PrefixStore(f"pitstop/handoff/g{gen}/r{role}", sealed(_client()))
+    store = dist.PrefixStore(f"pitstop/handoff/g{gen}/r{role}", sealed(conn if conn is not None else _client()))
     timeout = timedelta(seconds=cfg.collective_timeout_s)
     addr = os.environ.get(gloo_address.ENV_ADDR)
     if addr:  # this machine's address, as every other group of the process

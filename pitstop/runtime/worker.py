@@ -27,7 +27,7 @@ from pitstop.protocol import Channel, Refused
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig
 from pitstop import store as store_mod
-from pitstop.store import ENV_STORE, connect_from_env
+from pitstop.store import ENV_STORE, ConnectionPool, connect_from_env
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,10 @@ class Membership:
     joined_at: float = field(default_factory=time.time)
     channel: Optional[Channel] = None
     """The authenticated view of ``store``: every control message goes through it."""
+    connections: Optional[ConnectionPool] = None
+    """Spare connections to ``store``, opened off the critical path, for the threads a joiner
+    or a drain starts (the end-of-generation watch, a drain's channel and hand-off pair): a
+    new connection risks stalling the whole store (:class:`pitstop.store.ConnectionPool`)."""
     on_boundary: Optional[Callable[[float, Callable[[], int]], None]] = None
     """Called at the boundary with the iteration's time and a function that returns this rank's
     state bytes (the emulator's pacing hook; it sizes a predicted replacement's state copy)."""
@@ -68,6 +72,13 @@ class Membership:
     @property
     def controlled(self) -> bool:
         return self.store is not None
+
+    def take_connection(self) -> Optional[dist.Store]:
+        """A spare connection to the control store, or None when none is left (the caller
+        opens its own, as before)."""
+        if self.connections is None or not len(self.connections):
+            return None
+        return self.connections.take()
 
     @property
     def joiner(self) -> bool:
@@ -122,8 +133,9 @@ class _StoreThread:
     across threads) and a sibling of the process's channel (it shares what the process
     owns). Subclasses write :meth:`_run` and stop when ``_stop`` is set."""
 
-    def __init__(self, name: str, main: Channel) -> None:
-        self.store = store_mod.connect(os.environ[ENV_STORE], timeout=timedelta(seconds=30), mirrored=True)
+    def __init__(self, name: str, main: Channel, conn: Optional[dist.Store] = None) -> None:
+        self.store = conn if conn is not None else \
+            store_mod.connect(os.environ[ENV_STORE], timeout=timedelta(seconds=30), mirrored=True)
         self.channel = main.sibling(self.store)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -207,8 +219,8 @@ class KeyWatch(_StoreThread):
     WAIT_S = 300.0
 
     def __init__(self, name: str, key: Callable[[], str], callback: Callable[[Channel], None], main: Channel,
-                 schema: Optional[protocol.Schema] = None) -> None:
-        super().__init__(f"pitstop-watch-{name}", main)
+                 schema: Optional[protocol.Schema] = None, conn: Optional[dist.Store] = None) -> None:
+        super().__init__(f"pitstop-watch-{name}", main, conn)
         self.key = key
         self.schema = schema
         self.callback = callback
@@ -346,13 +358,18 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+#: Spare control-store connections each controlled process opens when it joins
+#: (:attr:`Membership.connections`): a joiner's end-of-generation watch, and a drain's
+#: channel thread and hand-off pair.
+THREAD_CONNECTIONS = 3
+
+
 def _open_spare_connections(store, world: int, slot: int):
     """A standby opens its communicators' store connections while it waits, not once it has
     a role: each new connection costs the store's server a reverse DNS lookup, which stalls
     every client of the job for the resolver's timeout when its answer is lost (see
     :class:`pitstop.store.ConnectionPool`). As many as any rank's full build rendezvouses."""
     from pitstop.groups import most_rendezvous
-    from pitstop.store import ConnectionPool
 
     t0 = time.perf_counter()
     spare = ConnectionPool(store)
@@ -417,6 +434,8 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
             sandbox.warm_up(ch, slot, warmup, interrupted=interrupted, timeout_s=cfg.collective_timeout_s * 5)
         _freeze_heap()
         spare = _open_spare_connections(store, world, slot)
+        raw = ConnectionPool(store)
+        raw.reserve(THREAD_CONNECTIONS)
         log.info("[standby %d] warm and waiting for a role", slot)
         try:
             assignment = _wait_assignment(ch, slot, world)
@@ -432,9 +451,11 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
     else:
         assignment, spare = {}, None
         role, gen = int(os.environ["RANK"]), int(os.environ.get(ENV_GENERATION, 0))
+        raw = ConnectionPool(store)
+        raw.reserve(THREAD_CONNECTIONS)
         mode = "restart" if os.environ.get(ENV_RESUME) else "worker"
     hb.grace_s = cfg.collective_timeout_s + 5.0  # a worker's training thread stops by itself at its boundary
-    _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb, channel=ch)
+    _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb, channel=ch, connections=raw)
     # the world group's values and every communicator's rendezvous (gloo addresses) are sealed
     store_mod.JOB_TOKEN = ch.token
     init_world(store, role, world, timeout, epoch=epoch, detached=_CURRENT.joiner, spare=spare)
