@@ -590,12 +590,12 @@ def init_world(
     if WORLD_BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(WORLD_BACKEND, _world_creator, devices=["cpu", "cuda"])
     prefix = "pitstop/world" + (f"/e{epoch}" if epoch else "")
-    world_store = dist.PrefixStore(prefix, store)
-    dist.init_process_group(WORLD_BACKEND, store=world_store, rank=rank, world_size=world_size, timeout=timeout)
+    # spare: connections a standby opened to ``store`` while it waited for its role
+    pool = (spare if spare is not None else ConnectionPool(store)).prefixed(prefix)
+    dist.init_process_group(WORLD_BACKEND, store=pool.store, rank=rank, world_size=world_size, timeout=timeout)
     g = world_group()
     g.detached = detached
-    # spare: connections a standby opened to ``store`` while it waited for its role
-    g.connections = spare.prefixed(prefix, world_store) if spare is not None else ConnectionPool(world_store)
+    g.connections = pool
 
 
 def world_connections() -> Optional[ConnectionPool]:

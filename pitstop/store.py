@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from datetime import timedelta
 from typing import Optional, Tuple
 
@@ -205,7 +206,7 @@ class SealedStore(dist.Store):
                            "use pitstop.protocol.Channel.vote")
 
     def clone(self) -> "SealedStore":
-        """Another connection, sealed with the same token (see :func:`pitstop.groups._own_connection`)."""
+        """Another connection, sealed with the same token (see :class:`ConnectionPool`)."""
         return SealedStore(self.inner.clone(), self._token)
 
 
@@ -231,8 +232,6 @@ class ConnectionPool:
     """
 
     def __init__(self, store: dist.Store, spare: Optional[list] = None) -> None:
-        import threading
-
         self.store = store
         self._spare: list = list(spare or [])
         self._lock = threading.Lock()
@@ -286,10 +285,10 @@ class ConnectionPool:
         with self._lock:
             self._spare.append(conn)
 
-    def prefixed(self, prefix: str, store: dist.Store) -> "ConnectionPool":
-        """This pool's spare connections, each behind ``PrefixStore(prefix)``, as the pool of
-        ``store`` (which must be ``PrefixStore(prefix, self.store)``): a standby opens raw
-        connections before it knows its world's prefix."""
+    def prefixed(self, prefix: str) -> "ConnectionPool":
+        """The pool of ``PrefixStore(prefix, self.store)``, holding this pool's spare
+        connections behind the same prefix: a standby opens raw connections before it
+        knows its world's prefix."""
         with self._lock:
             spare, self._spare = self._spare, []
-        return ConnectionPool(store, [dist.PrefixStore(prefix, c) for c in spare])
+        return ConnectionPool(dist.PrefixStore(prefix, self.store), [dist.PrefixStore(prefix, c) for c in spare])

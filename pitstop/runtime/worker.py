@@ -422,6 +422,8 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
     standby = os.environ.get(ENV_STANDBY) == "1"
     slot = _authenticate(ch, standby, None if standby else int(os.environ["RANK"]))
     hb = Heartbeat(slot, cfg.heartbeat_interval_s, ch).start()
+    raw = ConnectionPool(store)
+    raw.reserve(THREAD_CONNECTIONS)
     epoch = int(os.environ.get(ENV_EPOCH, 0))
     if standby:
         if warmup is not None and cfg.warmup:
@@ -434,8 +436,6 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
             sandbox.warm_up(ch, slot, warmup, interrupted=interrupted, timeout_s=cfg.collective_timeout_s * 5)
         _freeze_heap()
         spare = _open_spare_connections(store, world, slot)
-        raw = ConnectionPool(store)
-        raw.reserve(THREAD_CONNECTIONS)
         log.info("[standby %d] warm and waiting for a role", slot)
         try:
             assignment = _wait_assignment(ch, slot, world)
@@ -451,8 +451,6 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
     else:
         assignment, spare = {}, None
         role, gen = int(os.environ["RANK"]), int(os.environ.get(ENV_GENERATION, 0))
-        raw = ConnectionPool(store)
-        raw.reserve(THREAD_CONNECTIONS)
         mode = "restart" if os.environ.get(ENV_RESUME) else "worker"
     hb.grace_s = cfg.collective_timeout_s + 5.0  # a worker's training thread stops by itself at its boundary
     _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb, channel=ch, connections=raw)
