@@ -37,7 +37,7 @@ from pitstop.layout import ParallelLayout
 from pitstop.logtag import tag
 from pitstop.plan import comm_kinds, plan_replace, realization
 from pitstop.roster import ProcessInfo
-from pitstop.store import ConnectionPool, sealed
+from pitstop.store import SharedConnection, sealed
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +123,6 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def most_rendezvous(world_size: int) -> int:
-    """The most communicators one rank of a ``world_size`` job builds (one rendezvous each):
-    what a standby, which does not know its layout yet, opens connections for."""
-    layout = ParallelLayout(world_size)
-    return max(1, len(comm_kinds(layout)))
-
-
 VIRTUAL = "pitstop_virtual"
 """The emulation backend's name (:mod:`pitstop.virtual`): its groups never rendezvous."""
 
@@ -152,7 +145,7 @@ class GroupRegistry:
         prefix: str = "pitstop",
         fence: Optional[pgmod.Fence] = pgmod.FENCE,
         deferred: bool = False,
-        connections: Optional[ConnectionPool] = None,
+        connections: Optional[SharedConnection] = None,
     ) -> None:
         if not dist.is_initialized():
             raise GroupError("torch.distributed is not initialised: call pitstop.pg.init_world() first")
@@ -175,16 +168,18 @@ class GroupRegistry:
         self._entries: Dict[str, Entry] = {}
         self._retired: List[dist.ProcessGroup] = []
         if connections is not None and connections.store is not store:
-            raise GroupError("connections must be a pool of the registry's own store (ConnectionPool(store))")
-        self.connections = connections if connections is not None else ConnectionPool(store)
-        """Store connections for rendezvous that run at once, one each (a c10d client
-        holds one lock for the whole of a blocking ``wait``, so a background
-        :meth:`prepare` whose rendezvous waits for a late peer on the training thread's
-        connection would stall that thread's step verdict, which those peers may be
-        waiting for: a deadlock). Opened by :meth:`build` (or a standby, before it had a
-        role), so a replacement opens none; see :class:`pitstop.store.ConnectionPool`."""
+            raise GroupError("connections must share a connection to the registry's own store "
+                             "(SharedConnection(store))")
+        self.connections = connections if connections is not None else SharedConnection(store)
+        """The spare store connection that rendezvous running at once share, each through a
+        polling view (a c10d client holds one lock for the whole of a blocking ``wait``,
+        so a background :meth:`prepare` whose rendezvous waits for a late peer on the
+        training thread's connection would stall that thread's step verdict, which those
+        peers may be waiting for: a deadlock). Opened by :meth:`build` (or a standby,
+        before it had a role), so a replacement opens none; see
+        :class:`pitstop.store.SharedConnection`."""
         self._taken: List[dist.Store] = []
-        """Connections a deferred build took, given back once it is done."""
+        """Views a deferred build took, given back once it is done."""
         self._deferred: Optional[List] = [] if deferred else None
         """A joiner's communicators still to build (see :meth:`build` and :meth:`attach`)."""
         self._builder: Optional[threading.Thread] = None
@@ -207,10 +202,10 @@ class GroupRegistry:
     # ----------------------------------------------------------------- building
     def _build_comm(self, kind: str, ranks: Tuple[int, ...], gen: int, base: Optional[dist.Store] = None,
                     deferred: Optional[List] = None) -> Entry:
-        if deferred is not None:  # the builder thread takes the group's own connection when it runs
+        if deferred is not None:  # the builder thread takes the group's view of the shared connection when it runs
             box: List[dist.Store] = []
 
-            def store() -> dist.Store:  # one connection per group: its gloo twin rendezvouses after it
+            def store() -> dist.Store:  # one view per group: its gloo twin rendezvouses after it
                 if not box:
                     conn = self.connections.take()
                     self._taken.append(conn)
@@ -229,9 +224,8 @@ class GroupRegistry:
         return Entry((kind, ranks, gen), group, "comm", gloo)
 
     def _on_own_connection(self, kind: str, ranks: Tuple[int, ...], gen: int, conn: dist.Store) -> Entry:
-        """Build one communicator over ``conn``, a connection no other thread uses meanwhile
-        (lent by :meth:`ConnectionPool.lend`), which goes back to the pool afterwards: a
-        rendezvous needs the store only while its group is built."""
+        """Build one communicator over ``conn``, a polling view of the shared spare connection
+        (:meth:`SharedConnection.lend`): no other rendezvous blocks it meanwhile."""
         try:
             return self._build_comm(kind, ranks, gen, conn)
         finally:
@@ -271,7 +265,7 @@ class GroupRegistry:
         if self._entries:
             raise GroupError(f"rank {self.rank}: groups already built (generation {self.generation})")
         if self._deferred is not None:
-            # each rendezvous goes over a connection of its own: the main thread's store
+            # each rendezvous polls over the shared spare connection: the main thread's store
             # client stays free (a c10d client serialises every call behind a blocking wait)
             self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation,
                               self._entries, deferred=self._deferred)
@@ -282,8 +276,8 @@ class GroupRegistry:
         self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation, self._entries)
         if self.backend != VIRTUAL:  # a virtual group never rendezvouses
             t0 = time.perf_counter()
-            made = self.connections.reserve(self.rendezvous_count())
-            log.debug("%s %d store connections reserved for a replacement in %.3fs", tag(self.generation, self.rank),
+            made = self.connections.reserve(1)
+            log.debug("%s %d store connection opened for a replacement's rendezvous in %.3fs", tag(self.generation, self.rank),
                       made, time.perf_counter() - t0)
 
     def _run_deferred(self) -> None:
@@ -331,8 +325,9 @@ class GroupRegistry:
         through ``base`` (default: the registry's store).
 
         ``concurrent``: every communicator rendezvouses at once, each in a thread with a
-        store connection of its own (a c10d client serialises its calls, so two
-        rendezvous on one connection could each wait behind the other). Each group's
+        polling view of the shared spare connection (a c10d client serialises its calls,
+        so two rendezvous blocking on one connection could each wait behind the other;
+        views never block it, see :class:`pitstop.store.PollingStore`). Each group's
         rendezvous involves only its members, so no order across ranks is needed and a
         delta of k groups costs about one rendezvous instead of k. ``deferred`` (a joiner's
         :meth:`build`) gets one such task per group instead, to run in the background."""
@@ -464,7 +459,7 @@ class GroupRegistry:
         # training thread may keep using them while this runs
         view = {k: v for k, v in self._entries.items() if k not in kinds}
         try:
-            self._build_kinds(kinds, gen, view, concurrent=True)  # each over a pooled connection of its own
+            self._build_kinds(kinds, gen, view, concurrent=True)  # each over a view of the shared connection
         except Exception:
             for k in kinds:
                 if k in view:

@@ -35,7 +35,7 @@ from pitstop.errors import GroupError
 from pitstop import memory
 from pitstop.memory import untracked
 from pitstop.protocol import Refused, open_raw, seal_raw
-from pitstop.store import ConnectionPool
+from pitstop.store import SharedConnection
 
 log = logging.getLogger(__name__)
 
@@ -578,7 +578,7 @@ def _world_creator(store, rank, size, timeout):
 
 def init_world(
     store: dist.Store, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=5),
-    *, epoch: int = 0, detached: bool = False, spare: Optional[ConnectionPool] = None,
+    *, epoch: int = 0, detached: bool = False, spare: Optional[SharedConnection] = None,
 ) -> None:
     """Initialise torch.distributed with pitstop's store-backed world group.
 
@@ -590,16 +590,16 @@ def init_world(
     if WORLD_BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(WORLD_BACKEND, _world_creator, devices=["cpu", "cuda"])
     prefix = "pitstop/world" + (f"/e{epoch}" if epoch else "")
-    # spare: connections a standby opened to ``store`` while it waited for its role
-    pool = (spare if spare is not None else ConnectionPool(store)).prefixed(prefix)
+    # spare: the connection a standby opened to ``store`` while it waited for its role
+    pool = (spare if spare is not None else SharedConnection(store)).prefixed(prefix)
     dist.init_process_group(WORLD_BACKEND, store=pool.store, rank=rank, world_size=world_size, timeout=timeout)
     g = world_group()
     g.detached = detached
     g.connections = pool
 
 
-def world_connections() -> Optional[ConnectionPool]:
-    """The pool of the store the world group was initialised with (``.store``), for the
+def world_connections() -> Optional[SharedConnection]:
+    """The shared spare connection of the store the world group was initialised with (``.store``), for the
     group registry's rendezvous; None when the default group is not pitstop's (a plain
     ``init_process_group``, whose default store the registry then uses as it is)."""
     if not dist.is_initialized():

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import Optional, Tuple
 
@@ -211,7 +212,7 @@ class SealedStore(dist.Store):
 
 
 class ConnectionPool:
-    """Spare clients of one store, opened ahead of need and lent to concurrent rendezvous.
+    """Spare clients of one store, opened ahead of need, each lent whole to one thread.
 
     Why open them early: a c10d ``TCPStore`` server resolves every accepted client's
     address back to a host name (``getnameinfo``, a reverse DNS query) on its one event
@@ -220,15 +221,16 @@ class ConnectionPool:
     verdicts included. Seen here as a replacement whose stayers opened a connection per
     delta group and all waited exactly 5.0 s (strace: ``accept4``, ``/etc/hosts``, a PTR
     query for ``1.0.0.127.in-addr.arpa``, ``poll(..., 5000)`` timing out, the retry
-    answered). A job that opens its rendezvous connections when it builds its groups,
-    and a standby that opens them while it waits, pay that risk off the critical path::
+    answered). Connections opened when a process joins pay that risk off the critical path::
 
-        build / standby warmup:  reserve(n)  -> n connections open, spare
-        replacement (k groups):  lend(k)     -> k spare ones, one per rendezvous thread
-                                 give(c)     <- each back once its group is built
+        join:                 reserve(n)  -> n connections open, spare
+        a thread that blocks: take()      -> one of them, its own
+                              give(c)     <- back when the thread is done
 
-    ``opened`` counts every connection this pool ever opened, so a test can tell a
-    replacement that opened none. A store that cannot clone is lent as itself.
+    For threads that block on one key for long and must see it at once (a joiner's
+    end-of-generation watch, a drain's channel and hand-off pair). Rendezvous that run at
+    once share one connection instead (:class:`SharedConnection`). ``opened`` counts every
+    connection this pool ever opened. A store that cannot clone is lent as itself.
     """
 
     def __init__(self, store: dist.Store, spare: Optional[list] = None) -> None:
@@ -292,3 +294,139 @@ class ConnectionPool:
         with self._lock:
             spare, self._spare = self._spare, []
         return ConnectionPool(dist.PrefixStore(prefix, self.store), [dist.PrefixStore(prefix, c) for c in spare])
+
+
+class PollingStore(dist.Store):
+    """A view of a store client whose blocking reads poll, so many threads share one connection.
+
+    A c10d client serialises its calls behind one lock and holds it for the whole of a
+    blocking ``wait`` or ``get``: two rendezvous on one connection deadlock as soon as one
+    waits for a key the other must write. This view never blocks the client: ``wait``
+    and ``get`` ask ``check`` (answered at once) until the keys exist, backing off from
+    0.5 ms to :attr:`MAX_POLL_S`, then read. Every other call passes through. So every
+    communicator a replacement rebuilds at once rendezvouses over the one connection
+    :class:`SharedConnection` opened long before, and the replacement opens none (each
+    new connection risks the store's reverse-DNS stall, see :class:`ConnectionPool`)::
+
+        rendezvous thread 1 --view--+
+        rendezvous thread 2 --view--+--> one spare client --> TCPStore server
+        rendezvous thread k --view--+    (each call short: set, check, get of a set key)
+
+    The polling costs at most :attr:`MAX_POLL_S` of latency per wait that had to wait.
+    """
+
+    MAX_POLL_S = 0.01
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()  # the pybind trampoline needs it
+        self.inner = inner
+        dist.Store.set_timeout(self, inner.timeout)  # the shared client's, until set_timeout
+        _ALIVE.append(self)
+
+    def _await(self, keys, timeout: Optional[timedelta]) -> None:
+        limit = (timeout if timeout is not None else self.timeout).total_seconds()
+        deadline = time.monotonic() + (limit if limit > 0 else float("inf"))
+        delay = 0.0005
+        while not self.inner.check(list(keys)):
+            now = time.monotonic()
+            if now >= deadline:
+                raise dist.DistStoreError(f"timed out after {limit:.0f}s waiting for keys {list(keys)!r} "
+                                          "(polled over a shared store connection)")
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, self.MAX_POLL_S)
+
+    def set(self, key: str, value) -> None:
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._await([key], None)
+        return self.inner.get(key)
+
+    def wait(self, keys, timeout: Optional[timedelta] = None) -> None:
+        self._await(keys, timeout)
+
+    def check(self, keys) -> bool:
+        return self.inner.check(keys)
+
+    def add(self, key: str, value: int) -> int:
+        return self.inner.add(key, value)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        dist.Store.set_timeout(self, timeout)  # this view's, not the shared client's
+
+
+class SharedConnection:
+    """One spare client of a store, opened ahead of need, lent as polling views.
+
+    The communicators a replacement rebuilds rendezvous at once, each in a thread of its
+    own, and must not use the training thread's client (its step verdict waits there).
+    Each gets a :class:`PollingStore` view of this one connection instead of a
+    connection of its own, so a process holds one spare connection however many groups
+    it rebuilds, and a replacement opens none::
+
+        build / standby warmup:  reserve()   -> the one connection, opened (counted)
+        replacement (k groups):  lend(k)     -> k views of it, no new connection
+
+    The same interface as :class:`ConnectionPool`; ``opened`` counts the connections it
+    opened (at most one). A store that cannot clone is shared as itself.
+    """
+
+    def __init__(self, store: dist.Store, conn: Optional[dist.Store] = None) -> None:
+        self.store = store
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.opened = 0 if conn is None else 1
+        """Connections this pool opened or was handed: 0 or 1."""
+
+    def __len__(self) -> int:
+        return 1 if self._conn is not None else 0
+
+    def _shared(self) -> dist.Store:
+        with self._lock:
+            if self._conn is None:
+                try:
+                    self._conn = self.store.clone()
+                    self.opened += 1
+                except (RuntimeError, NotImplementedError, AttributeError):
+                    self._conn = self.store
+            return self._conn
+
+    def reserve(self, n: int = 1) -> int:
+        """Open the shared connection now when ``n`` >= 1 and it is not yet; returns how many
+        it opened (0 or 1)."""
+        if n < 0:
+            raise PitstopError(f"reserve(n={n}): expected a count >= 0")
+        before = self.opened
+        if n:
+            self._shared()
+        return self.opened - before
+
+    def lend(self, n: int) -> list:
+        """``n`` polling views of the shared connection (opened first if it is not yet)."""
+        conn = self._shared()
+        return [PollingStore(conn) for _ in range(n)]
+
+    def take(self) -> dist.Store:
+        return self.lend(1)[0]
+
+    def give(self, conn: dist.Store) -> None:
+        """Nothing to return: a view holds no connection of its own."""
+
+    def prefixed(self, prefix: str) -> "SharedConnection":
+        """The pool of ``PrefixStore(prefix, self.store)``, sharing this pool's connection
+        behind the same prefix: a standby opens it before it knows its world's prefix."""
+        with self._lock:
+            conn = self._conn
+        shared = SharedConnection(dist.PrefixStore(prefix, self.store),
+                                  None if conn is None else dist.PrefixStore(prefix, conn))
+        shared.opened = self.opened
+        return shared

@@ -116,14 +116,15 @@ def test_a_joiners_deferred_groups_exist_at_once_and_talk_after_attach(job, tmp_
         assert r["generation"] == 1 and r["generation_2"] == 2, r
         assert r["dp_sum"] == r["dp_sum_2"] == (1.0 + 3.0 if r["rank"] % 2 == 0 else 2.0 + 4.0), r
         assert r["tp_sum"] == (1.0 + 2.0 if r["rank"] < 2 else 3.0 + 4.0), r
-    # every store connection a rendezvous uses is opened when the groups are built (or by the
-    # standby while it waits), none during a replacement: a new connection costs the store's
-    # server a reverse DNS lookup that stalls the whole job when its answer is lost
+    # the one store connection the rendezvous share is opened when the groups are built (or by
+    # the standby while it waits), none during a replacement: a new connection costs the
+    # store's server a reverse DNS lookup that stalls the whole job when its answer is lost.
+    # Every rank rebuilt 3 or more communicators at once, over that one connection.
     for r in res[:3]:
-        assert r["opened_at_build"] == r["rendezvous"] >= 3, r  # tp, dp, and the rest of this rank's kinds
-        assert r["opened_after_1"] == r["opened_after_2"] == r["opened_at_build"], r
-        assert r["pool_after_1"] == r["pool_after_2"] == r["opened_at_build"], r  # all lent ones came back
-    assert j["joiner_opened"] == j["joiner_spare"] >= res[3]["rendezvous"], j
+        assert r["rendezvous"] >= 3, r  # tp, dp, and the rest of this rank's kinds
+        assert r["opened_at_build"] == r["opened_after_1"] == r["opened_after_2"] == 1, r
+        assert r["pool_after_1"] == r["pool_after_2"] == 1, r
+    assert j["joiner_opened"] == j["joiner_spare"] == 1, j
 
 
 @pytest.mark.timeout(120)

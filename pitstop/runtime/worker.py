@@ -27,7 +27,7 @@ from pitstop.protocol import Channel, Refused
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig
 from pitstop import store as store_mod
-from pitstop.store import ENV_STORE, ConnectionPool, connect_from_env
+from pitstop.store import ENV_STORE, ConnectionPool, SharedConnection, connect_from_env
 
 log = logging.getLogger(__name__)
 
@@ -365,16 +365,14 @@ THREAD_CONNECTIONS = 3
 
 
 def _open_spare_connections(store, world: int, slot: int):
-    """A standby opens its communicators' store connections while it waits, not once it has
-    a role: each new connection costs the store's server a reverse DNS lookup, which stalls
-    every client of the job for the resolver's timeout when its answer is lost (see
-    :class:`pitstop.store.ConnectionPool`). As many as any rank's full build rendezvouses."""
-    from pitstop.groups import most_rendezvous
-
+    """A standby opens the store connection its communicators' rendezvous share while it
+    waits, not once it has a role: each new connection costs the store's server a reverse
+    DNS lookup, which stalls every client of the job for the resolver's timeout when its
+    answer is lost (see :class:`pitstop.store.ConnectionPool`, :class:`SharedConnection`)."""
     t0 = time.perf_counter()
-    spare = ConnectionPool(store)
-    n = spare.reserve(most_rendezvous(world))
-    log.info("[standby %d] %d store connections opened for its communicators in %.3fs", slot, n,
+    spare = SharedConnection(store)
+    n = spare.reserve(1)
+    log.info("[standby %d] %d store connection opened for its communicators in %.3fs", slot, n,
              time.perf_counter() - t0)
     return spare
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from pitstop.errors import GroupError, RosterError
-from pitstop.groups import GroupRegistry, most_rendezvous
-from pitstop.store import ConnectionPool
+from pitstop.groups import GroupRegistry
+from pitstop.store import SharedConnection
 from pitstop.layout import ParallelLayout
 from pitstop.pg import init_world
 from pitstop.store import connect_from_env
@@ -92,8 +92,8 @@ def deferred_joiner(out_dir):
     res = {"rank": rank, "opened_at_build": reg.connections.opened, "rendezvous": reg.rendezvous_count()}
     if rank == world - 1:
         FENCE.local = True
-        spare = ConnectionPool(store)  # as a standby does while it waits (worker._open_spare_connections)
-        spare.reserve(most_rendezvous(world))
+        spare = SharedConnection(store)  # as a standby does while it waits (worker._open_spare_connections)
+        spare.reserve(1)
         res["joiner_spare"] = spare.opened
         reg = GroupRegistry(layout, store, generation=1, timeout=T, deferred=True, connections=spare)
         reg.build()
