@@ -533,13 +533,35 @@ class Session:
         self._new_gen = True
         return report, swapped
 
+    #: How long past the collective timeout a rank waits to be stopped once the controller
+    #: announced a checkpoint restart (:meth:`_await_restart`).
+    RESTART_GRACE_S = 30.0
+
+    def _await_restart(self, resume_step) -> None:
+        """Wait to be stopped: the controller announced that it restarts every process from the
+        checkpoint of ``resume_step`` (no standby was left), so this rank has nothing left to
+        do. It watches the control store over its own connection (a fresh one would cost the
+        store's server a reverse DNS lookup, see :class:`pitstop.store.ConnectionPool`): a store
+        gone means the controller died, and the rank leaves as :func:`worker.controller_lost`
+        says. A rank still alive after the collective timeout plus :attr:`RESTART_GRACE_S` was
+        forgotten by the restart, and fails loudly instead of hanging."""
+        limit = self.cfg.collective_timeout_s + self.RESTART_GRACE_S
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                self.store.check([keys.DONE])
+            except Exception as exc:  # noqa: BLE001 - any failure of the store's own client
+                worker.controller_lost(self.prefix(), exc)
+        raise RecoveryError(f"{self.prefix()} the controller announced a checkpoint restart from step {resume_step} "
+                            f"but did not stop this rank within {limit:.0f}s")
+
     def _recover(self, step: int) -> None:
         t_seen = time.time()
         info = self._wait_fault()
         if info.get("fallback"):
             self._info("no standby left: the controller restarts the job from the checkpoint of step %s", info.get("resume_step"))
-            # the controller stops every process and restarts them; never hang here
-            time.sleep(3600)
+            self._await_restart(info.get("resume_step"))
         roles, new_gen = info["roles"], info["generation"]
         redo = int(info.get("step", step))  # the first discarded step: the window's first (K > 1) or this one
         if self.snap is None or self.snap.step != redo - 1:
