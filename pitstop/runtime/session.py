@@ -50,19 +50,25 @@ from pitstop.logtag import tag
 from pitstop.protocol import Verdict
 from pitstop import memory
 from pitstop.errors import PitstopError, RecoveryError
-from pitstop.plan import plan_replace
 from pitstop.runtime import keys, reports, sandbox, state, worker
 from pitstop.runtime.buddy import BuddyWire
+from pitstop.runtime.drain import DrainMixin
 from pitstop.runtime.framework import Framework, first_trainable, wrap
 from pitstop.runtime.faults import Fault
+from pitstop.runtime.recovery import RecoveryMixin
 from pitstop.runtime.swap import find_groups, swap_groups
 from pitstop.runtime.worker import Membership, require_current
 
 log = logging.getLogger(__name__)
 
 
-class Session:
-    """pitstop's hook into one training process (see the module docstring)."""
+class Session(RecoveryMixin, DrainMixin):
+    """pitstop's hook into one training process (see the module docstring).
+
+    Its rooms: this module holds the loop, the boundary and its vote, the buddy ring, the
+    watchers and the start; :class:`~pitstop.runtime.recovery.RecoveryMixin` the unplanned
+    side (rollback, delta, state to the joiner); :class:`~pitstop.runtime.drain.DrainMixin`
+    the planned one (phase 1 in the background, the switch at a boundary)."""
 
     def __init__(self, model: Sequence[Any], optimizer, make_data: Callable[[int], Iterator], *,
                  checkpoint_dir: Optional[str] = None, framework: Optional[Framework] = None,
@@ -438,74 +444,7 @@ class Session:
         if self._drain is None:
             self._take_drain(ch, gen)
 
-    def _take_drain(self, ch: protocol.Channel, gen: int) -> None:
-        """Read generation ``gen``'s drain announcement, if there is one, and start phase 1 for
-        it (once, whichever thread asks first: the heartbeat's watcher, or the switch)."""
-        with self._drain_lock:
-            if self._drain is not None:
-                return
-            info = ch.read(keys.drain(gen), protocol.DRAIN)
-            if info is None:
-                return
-            try:
-                roles = protocol.role_list(info, self.layout.world_size)
-                if not roles or info["generation"] != gen + 1:
-                    raise ValueError(f"roles {roles}, generation {info['generation']}: expected at least one "
-                                     f"role and generation {gen + 1}")
-            except ValueError as exc:
-                ch.refuse(keys.drain(gen), str(exc))
-                return
-            d = {"info": {**info, "roles": roles}, "gen": gen}
-            d["thread"] = threading.Thread(target=self._prepare_drain, args=(d,), name="pitstop-drain-prepare",
-                                           daemon=True)
-            self._drain = d
-            d["thread"].start()
-
-    def _abandon_delta(self, gen: int, roles: List[int]) -> None:
-        """Fail fast: mark this rank's groups that hold a failed role broken, so a
-        collective blocked on them returns now rather than at the timeout."""
-        if not self._lock.acquire(blocking=False):  # recovery runs: it owns the groups now
-            return
-        try:
-            if self.gen != gen or self._aborted_gen >= gen or self.rank in roles:
-                return
-            self._aborted_gen = gen
-            kinds = plan_replace(self.layout, tuple(roles), gen, gen + 1).rebuilt_kinds(self.rank)
-            epoch = pgmod.world_group().epoch  # recovery rewinds it to generation gen + 1
-            groups = [g for k in kinds if (e := self.registry.entry(k)) for g in (e.group, e.gloo)
-                      if isinstance(g, pgmod.GuardedGroup)]
-        finally:
-            self._lock.release()
-        for g in groups:
-            g.mark_broken()
-        pgmod.world_group().mark_broken(epoch)  # the world holds every role: its operation in flight is lost too
-
-    # ------------------------------------------------------------------ unplanned: recovery
-    def _fault_info(self, ch: protocol.Channel, gen: int) -> Optional[dict]:
-        """The controller's verified word on generation ``gen``'s failure, or None."""
-        info = ch.read(keys.fault(gen), protocol.FAULT)
-        if info is None or info.get("fallback"):
-            return info
-        try:
-            roles = protocol.role_list(info, self.layout.world_size)
-            if not roles or info.get("generation") != gen + 1:
-                raise ValueError(f"roles {roles}, generation {info.get('generation')}: expected at least one role "
-                                 f"and generation {gen + 1}")
-        except ValueError as exc:
-            ch.refuse(keys.fault(gen), str(exc))
-            return None
-        return {**info, "roles": roles}
-
-    def _wait_fault(self) -> dict:
-        deadline = time.monotonic() + self.cfg.collective_timeout_s * 2
-        while time.monotonic() < deadline:
-            info = self._fault_info(self.ch, self.gen)
-            if info is not None:
-                return info
-            time.sleep(0.01)
-        raise RecoveryError(f"{self.prefix()} the step was discarded but no fault of generation {self.gen} "
-                            f"came within {self.cfg.collective_timeout_s * 2:.0f}s")
-
+    # ------------------------------------------------------------------ a new generation (both sides)
     def _advance(self, pending) -> Any:
         """Swap in the next generation's groups everywhere: registry, framework objects, library globals."""
         old = {k: self.registry.entry(k) for k in pending.entries}
@@ -532,172 +471,6 @@ class Session:
         world.rewind(world.seq, self.gen)  # this generation's world operations get keys of their own
         self._new_gen = True
         return report, swapped
-
-    #: How long past the collective timeout a rank waits to be stopped once the controller
-    #: announced a checkpoint restart (:meth:`_await_restart`).
-    RESTART_GRACE_S = 30.0
-
-    def _await_restart(self, resume_step) -> None:
-        """Wait to be stopped: the controller announced that it restarts every process from the
-        checkpoint of ``resume_step`` (no standby was left), so this rank has nothing left to
-        do. It watches the control store over its own connection (a fresh one would cost the
-        store's server a reverse DNS lookup, see :class:`pitstop.store.ConnectionPool`): a store
-        gone means the controller died, and the rank leaves as :func:`worker.controller_lost`
-        says. A rank still alive after the collective timeout plus :attr:`RESTART_GRACE_S` was
-        forgotten by the restart, and fails loudly instead of hanging."""
-        limit = self.cfg.collective_timeout_s + self.RESTART_GRACE_S
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            try:
-                self.store.check([keys.DONE])
-            except Exception as exc:  # noqa: BLE001 - any failure of the store's own client
-                worker.controller_lost(self.prefix(), exc)
-        raise RecoveryError(f"{self.prefix()} the controller announced a checkpoint restart from step {resume_step} "
-                            f"but did not stop this rank within {limit:.0f}s")
-
-    def _recover(self, step: int) -> None:
-        t_seen = time.time()
-        info = self._wait_fault()
-        if info.get("fallback"):
-            self._info("no standby left: the controller restarts the job from the checkpoint of step %s", info.get("resume_step"))
-            self._await_restart(info.get("resume_step"))
-        roles, new_gen = info["roles"], info["generation"]
-        redo = int(info.get("step", step))  # the first discarded step: the window's first (K > 1) or this one
-        if self.snap is None or self.snap.step != redo - 1:
-            raise RecoveryError(f"{self.prefix()} the controller discards from step {redo}, this rank's rollback point "
-                                f"is step {None if self.snap is None else self.snap.step}")
-        discarded = step - redo + 1
-        t0 = time.perf_counter()
-        self._aborted_gen = self.gen
-        with self._lock:
-            self._restore(self.snap)
-            # the world's operation count goes back with the state: each rank may have stopped
-            # at a different world operation in the aborted step (see StoreWorldGroup.rewind)
-            pgmod.world_group().rewind(self.snap.world_seq, new_gen)
-            t_roll = time.perf_counter()
-            report, swapped = self._advance(self.registry.prepare(roles))
-            if self.gen != new_gen:
-                raise RecoveryError(f"{self.prefix()} advanced to generation {self.gen}, the controller announced {new_gen}")
-            t_groups = time.perf_counter()
-        ranks, group = self._shard_group()
-        for role in roles:  # the same order on every rank; each joiner receives from next, then previous
-            if role not in ranks or len(ranks) == 1:
-                continue
-            nxt, prv = self._ring(ranks, role)
-            if self.rank == nxt:
-                if self.buddy is None or self.buddy.step != redo - 1:
-                    raise RecoveryError(
-                        f"{self.prefix()} holds the buddy copy of role {role} for step "
-                        f"{None if self.buddy is None else self.buddy.step}, needs step {redo - 1}"
-                    )
-                state.send_snapshot(self.buddy, role, group)
-            if self.rank == prv and self.cfg.buddy:
-                state.send_snapshot(self.snap, role, group)
-        t_state = time.perf_counter()
-        self.fw.resync_params(self.model, self.optimizer)
-        self.data = self.make_data(redo)
-        self.fence.reset()
-        self._redo_from = redo
-        self.steps_committed -= self._provisional  # run between votes, now discarded with the window
-        if self._provisional:
-            del self.iter_s[-self._provisional:]
-        self._provisional = 0
-        self._held = []
-        self._poison_told = False
-        t_end = time.perf_counter()
-        self._report(self.gen, f"r{self.rank}", seen=t_seen, rollback_s=t_roll - t0, groups_s=t_groups - t_roll,
-                     state_s=t_end - t_groups, transfer_s=t_state - t_groups, ready=time.time(),
-                     rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped, stale=len(self.stale_refs))
-        self._info("recovered: role(s) %s now played by joiners; %d groups rebuilt, %d kept, %d references swapped; "
-                   "%d step(s) from step %d are redone", ",".join(map(str, roles)), len(report.rebuilt), len(report.kept),
-                   swapped, discarded, redo)
-
-    # ------------------------------------------------------------------ planned: drain
-    def _prepare_drain(self, d: Dict[str, Any]) -> None:
-        """Phase 1 (background thread): build the next generation's groups, or the hand-off pair."""
-        try:
-            info, gen = d["info"], d["gen"]
-            roles = info["roles"]
-            plan = plan_replace(self.layout, tuple(roles), gen, gen + 1)
-            if self.rank in roles:
-                d["handoff"] = _handoff_pair(gen, self.rank, 0, self.cfg, self.m.take_connection())
-            elif self.rank in plan.ranks_involved:
-                d["pending"] = self.registry.prepare(roles)
-            else:
-                return
-            conn = self.m.take_connection() or _client()  # this thread's own connection
-            ch = self.ch.sibling(conn)
-            if ch.add(keys.drain_nready(gen), 1) == len(plan.ranks_involved) + len(roles):
-                ch.put(keys.drain_ready(gen), {"set": True})
-            if self.m.connections is not None:
-                self.m.connections.give(conn)
-        except Exception as exc:  # noqa: BLE001 - reported at the switch
-            d["error"] = exc
-            log.exception("%s drain preparation failed", self.prefix())
-
-    def _switch_if_due(self) -> None:
-        """The deferred switch (``switch_at_next_step``): the loop asked for its next step.
-
-        Every rank did the loop's between-step world operations since the vote; the rollback
-        point's operation count moves up to here on every rank, so the joiner (which joins the
-        world at its loop's start) and a later rollback agree with the stayers. The leaver
-        re-takes its state: it is the state at hand-off, whatever the loop did since the vote."""
-        if self._switch_due is None:
-            return
-        step, self._switch_due = self._switch_due, None
-        seq = pgmod.world_group().seq
-        if self._drain is None:
-            self._take_drain(self.ch, self.gen)
-        d = self._drain
-        if d is not None and self.rank in d["info"]["roles"]:
-            self.snap = state.take(self.optimizer, step, seq, out=self._spare,
-                                   extra=self.fw.extra_state(self.model, self.optimizer))
-        elif self.snap is not None:
-            self.snap.world_seq = seq
-        self._switch(step)
-
-    def _switch(self, step: int) -> None:
-        """Phase 2, at the boundary after ``step``: the leaver hands over and leaves.
-
-        A rank outside the delta may get here before its watcher read the announcement: the
-        drain is ready once the delta and the joiner are, and the watcher reads at heartbeat
-        pace. It reads it now (it has nothing to build: its prepare returns at once). Seen in
-        ``make demo`` under load: rank 1 got the switch verdict first and stopped."""
-        if self._drain is None:
-            self._take_drain(self.ch, self.gen)
-        d = self._drain
-        if d is None or d["gen"] != self.gen:
-            raise RecoveryError(f"{self.prefix()} switch verdict without a prepared drain")
-        d["thread"].join()
-        if "error" in d:
-            raise RecoveryError(f"{self.prefix()} drain preparation failed: {d['error']}") from d["error"]
-        roles = d["info"]["roles"]
-        t0 = time.perf_counter()
-        if self.rank in roles:
-            pair = d["handoff"]
-            state.send_snapshot_raw(pair, self.snap, 1)
-            state.pg_send(pair, torch.tensor([1 if self.buddy is not None else 0]), 1)
-            if self.buddy is not None:
-                state.send_snapshot_raw(pair, self.buddy, 1)
-            for buf in self.fw.param_buffers(self.model, self.optimizer):
-                state.pg_send(pair, buf, 1)
-            self._report(self.gen + 1, "leaver", send_s=time.perf_counter() - t0, ready=time.time())
-            self._info("drained: state handed to the joiner; leaving")
-            logging.shutdown()
-            import os
-            import sys
-
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        with self._lock:
-            pending = d.get("pending") or self.registry.prepare(roles)
-            report, swapped = self._advance(pending)
-            self.fw.after_handover(self.model, self.optimizer)
-        self._drain = None
-        self._report(self.gen, f"r{self.rank}", switch_s=time.perf_counter() - t0, ready=time.time(),
-                     rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped, stale=len(self.stale_refs))
 
     # ------------------------------------------------------------------ start
     def _start(self) -> None:
@@ -731,68 +504,6 @@ class Session:
                 self.snap, self.buddy = self._take_and_exchange(self.first_step - 1)
             self.wire.keep()
 
-    def _start_recover(self) -> None:
-        """A joiner for a failed role: shard from the buddy, parameters from the all-gather."""
-        a = self.m.assignment
-        role, step = self.rank, int(a["step"])
-        built_s = time.time() - self.m.joined_at  # assignment to here: world, groups (empty), model, optimizer, data
-        waited = self.registry.attach()  # the communicators built in the background meanwhile
-        self.fence.local = False
-        t0 = time.perf_counter()
-        ranks, group = self._shard_group()
-        nxt, prv = self._ring(ranks, role)
-        snap = state.recv_snapshot(nxt, group)
-        self.buddy = state.recv_snapshot(prv, group) if self.cfg.buddy else None
-        self._restore(snap)
-        self._take_redelivery(lambda: reports.of_snapshot(snap), "the role's state")
-        self.snap = snap
-        self._attach_world(snap.world_seq)
-        t_state = time.perf_counter()
-        self.fw.resync_params(self.model, self.optimizer)
-        self.first_step = step
-        self.step = step
-        self.data = self.make_data(step)
-        self._report(self.gen, "joiner", joined=self.m.joined_at, built_s=built_s, attach_wait_s=waited,
-                     recv_s=t_state - t0, state_s=time.perf_counter() - t0, ready=time.time())
-        self._info("joined as role %d at step %d (state from buddy r%d)", role, step, nxt)
-
-    def _start_drain(self) -> None:
-        """A joiner for a draining role: phase 1 done (groups, model), wait for the switch, take the state."""
-        a = self.m.assignment
-        old_gen = int(a["from_generation"])
-        roles = protocol.role_list(a, self.layout.world_size) if a.get("roles") else [self.rank]
-        self.registry.attach()
-        self.fence.local = False
-        pair = _handoff_pair(old_gen, self.rank, 1, self.cfg, self.m.take_connection())
-        plan = plan_replace(self.layout, tuple(roles), old_gen, old_gen + 1)
-        ch = self.ch
-        if ch.add(keys.drain_nready(old_gen), 1) == len(plan.ranks_involved) + len(roles):
-            ch.put(keys.drain_ready(old_gen), {"set": True})
-        t_prepared = time.time()
-        sw = ch.wait(keys.drain_switch(old_gen), protocol.DRAIN_SWITCH, timeout_s=86400.0)
-        step_s, t_switch = str(sw["step"]), sw["time"]
-        t0 = time.perf_counter()
-        snap = state.recv_snapshot_raw(pair, 0)
-        has_buddy = torch.zeros(1, dtype=torch.int64)
-        state.pg_recv(pair, has_buddy, 0)
-        self.buddy = state.recv_snapshot_raw(pair, 0) if int(has_buddy) else None
-        # restored before the parameters arrive: a rollback may free gathered parameters
-        # (DeepSpeed ZeRO-3 releases them to their partitions), which the leaver's then refill
-        self._restore(snap)
-        for buf in self.fw.param_buffers(self.model, self.optimizer):
-            state.pg_recv(pair, buf, 0)
-        self.fw.after_handover(self.model, self.optimizer)
-        self._take_redelivery(lambda: reports.of_snapshot(snap), "the role's state")
-        self.snap = snap
-        self._attach_world(snap.world_seq)
-        self.first_step = int(step_s) + 1
-        self.step = self.first_step
-        self.data = self.make_data(self.first_step)
-        now = time.time()
-        self._report(self.gen, "joiner", prepared=t_prepared, switch_at=float(t_switch), recv_s=time.perf_counter() - t0,
-                     ready=now, pause_s=now - float(t_switch))
-        self._info("took over role %d after step %s (pause %.3fs)", self.rank, step_s, now - float(t_switch))
-
     def _restore(self, snap: state.Snapshot) -> None:
         """Write a snapshot into this rank (rollback, or a joiner taking its role)."""
         self.fw.prepare_rollback(self.model, self.optimizer)
@@ -817,28 +528,3 @@ class Session:
         for phase, targets in points.items():
             for obj, name in targets:
                 wrap(obj, name, lambda phase=phase: fire(phase))
-
-
-def _client() -> dist.Store:
-    import os
-
-    from pitstop.store import ENV_STORE, connect
-
-    return connect(os.environ[ENV_STORE], timeout=timedelta(minutes=5))
-
-
-def _handoff_pair(gen: int, role: int, rank: int, cfg, conn: Optional[dist.Store] = None) -> dist.ProcessGroup:
-    """The leaver (0) and the joiner (1) of ``role``'s drain: a two-process gloo pair of their own,
-    over ``conn`` (a spare connection to the control store) or a new one."""
-    import os
-
-    from pitstop.patches import gloo_address
-
-    from pitstop.store import sealed
-
-    store = dist.PrefixStore(f"pitstop/handoff/g{gen}/r{role}", sealed(conn if conn is not None else _client()))
-    timeout = timedelta(seconds=cfg.collective_timeout_s)
-    addr = os.environ.get(gloo_address.ENV_ADDR)
-    if addr:  # this machine's address, as every other group of the process
-        return dist.ProcessGroupGloo(store, rank, 2, gloo_address.options(addr, timeout))
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
