@@ -79,6 +79,7 @@ class EtcdStore(dist.Store):
             raise PitstopError(f"etcd key prefix {prefix!r}: expected one that starts and ends with '/'")
         self.host, self.port, self.prefix = host, int(port), prefix
         self._timeout = timeout
+        dist.Store.set_timeout(self, timeout)  # what a PrefixStore over this store reports and uses
         self._request_timeout_s = request_timeout_s
         # "/v3/" is etcd 3.4's gateway path; naming it spares etcd3gw a discovery request
         self._client = etcd3gw.client(host=host, port=self.port, timeout=request_timeout_s, api_path="/v3/")
@@ -257,6 +258,7 @@ class EtcdStore(dist.Store):
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout
+        dist.Store.set_timeout(self, timeout)
 
     @property
     def timeout(self) -> timedelta:  # type: ignore[override]

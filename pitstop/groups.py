@@ -223,7 +223,7 @@ class GroupRegistry:
             )
         return Entry((kind, ranks, gen), group, "comm", gloo)
 
-    def _on_own_connection(self, kind: str, ranks: Tuple[int, ...], gen: int, conn: dist.Store) -> Entry:
+    def _on_view(self, kind: str, ranks: Tuple[int, ...], gen: int, conn: dist.Store) -> Entry:
         """Build one communicator over ``conn``, a polling view of the shared spare connection
         (:meth:`SharedConnection.lend`): no other rendezvous blocks it meanwhile."""
         try:
@@ -233,7 +233,7 @@ class GroupRegistry:
 
     def rendezvous_count(self) -> int:
         """How many communicators of this rank rendezvous in a full build: the most any
-        delta of this rank can rebuild at once, so the connections :meth:`build` reserves."""
+        delta of this rank rebuilds at once (each over a view of the one shared connection)."""
         return sum(1 for k in comm_kinds(self.layout) if self.layout.group_of(k, self.rank) is not None)
 
     def _derive(self, kind: str, gen: int, entries: Dict[str, Entry]) -> Entry:
@@ -348,10 +348,10 @@ class GroupRegistry:
                 built.append(kind)
         elif concurrent:
             conns = self.connections.lend(len(todo))
-            made = _concurrently([(lambda k=kind, r=ranks, c=c: self._on_own_connection(k, r, gen, c))
+            made = _concurrently([(lambda k=kind, r=ranks, c=c: self._on_view(k, r, gen, c))
                                   for (kind, ranks), c in zip(todo, conns)],
                                  f"r{self.rank} g{gen}", self._destroy_entry) if len(todo) > 1 else \
-                [self._on_own_connection(k, r, gen, c) for (k, r), c in zip(todo, conns)]
+                [self._on_view(k, r, gen, c) for (k, r), c in zip(todo, conns)]
             for (kind, _), e in zip(todo, made):
                 entries[kind] = e
                 built.append(kind)
@@ -434,8 +434,9 @@ class GroupRegistry:
 
         Nothing is swapped: the current groups stay installed and usable, so this
         may run in a background thread while training goes on (a planned drain). The
-        new groups rendezvous over store connections of their own (:attr:`connections`),
-        so their waits never block the training thread's use of the store.
+        new groups rendezvous over polling views of the shared spare connection
+        (:attr:`connections`), never the training thread's, so their waits never block
+        its use of the store.
         """
         roles = (role,) if isinstance(role, int) and not isinstance(role, bool) else tuple(role)
         for r in roles:

@@ -136,10 +136,11 @@ JOB_TOKEN: Optional[bytes] = None
 :func:`pitstop.runtime.worker.join`): the world group and the group registry seal
 their rendezvous values with it. None outside a job (plain torchrun, tests, emulation)."""
 
-#: Every SealedStore made, kept alive: c10d holds only the C++ half of a Python store, and
-#: the pybind trampoline finds the Python methods through the Python object, so one
-#: collected while a PrefixStore or a process group still uses it would fail ("Not
-#: implemented"). One per process plus one per group rebuild: a handful.
+#: Every SealedStore and PollingStore made, kept alive: c10d holds only the C++ half of a
+#: Python store, and the pybind trampoline finds the Python methods through the Python
+#: object, so one collected while a PrefixStore or a process group still uses it would fail
+#: ("Not implemented"). One per process plus one or two per rebuilt group per replacement:
+#: small objects, kept for the life of the process.
 _ALIVE: list = []
 
 
@@ -312,7 +313,10 @@ class PollingStore(dist.Store):
         rendezvous thread 2 --view--+--> one spare client --> TCPStore server
         rendezvous thread k --view--+    (each call short: set, check, get of a set key)
 
-    The polling costs at most :attr:`MAX_POLL_S` of latency per wait that had to wait.
+    The polling costs at most :attr:`MAX_POLL_S` of latency per wait that had to wait, and
+    one ``check`` per waiting view per :attr:`MAX_POLL_S` on the server. ``get`` reads a key
+    once ``check`` saw it: a rendezvous never deletes its keys, so the read cannot block (a
+    deleted key would block the shared client for its timeout).
     """
 
     MAX_POLL_S = 0.01
@@ -330,7 +334,7 @@ class PollingStore(dist.Store):
         while not self.inner.check(list(keys)):
             now = time.monotonic()
             if now >= deadline:
-                raise dist.DistStoreError(f"timed out after {limit:.0f}s waiting for keys {list(keys)!r} "
+                raise dist.DistStoreError(f"timed out after {limit:g}s waiting for keys {list(keys)!r} "
                                           "(polled over a shared store connection)")
             time.sleep(min(delay, deadline - now))
             delay = min(delay * 2, self.MAX_POLL_S)
@@ -377,27 +381,42 @@ class SharedConnection:
         replacement (k groups):  lend(k)     -> k views of it, no new connection
 
     The same interface as :class:`ConnectionPool`; ``opened`` counts the connections it
-    opened (at most one). A store that cannot clone is shared as itself.
+    opened (at most one). A store that cannot clone is shared as itself (logged: the
+    training thread's blocking waits then hold up the views). An etcd store
+    (:class:`pitstop.etcd_store.EtcdStore`) has no client lock and no reverse-DNS stall, and
+    polling it would cost an HTTP request per check: it lends a clone of its own to each
+    rendezvous instead (``polls`` False), as before.
     """
 
-    def __init__(self, store: dist.Store, conn: Optional[dist.Store] = None) -> None:
+    def __init__(self, store: dist.Store, conn: Optional[dist.Store] = None, polls: Optional[bool] = None) -> None:
         self.store = store
         self._conn = conn
         self._lock = threading.Lock()
         self.opened = 0 if conn is None else 1
-        """Connections this pool opened or was handed: 0 or 1."""
+        """Connections this pool opened or was handed (1 at most when it polls)."""
+        if polls is None:
+            from pitstop.etcd_store import EtcdStore
+
+            polls = not isinstance(store, EtcdStore)
+        self.polls = polls
 
     def __len__(self) -> int:
         return 1 if self._conn is not None else 0
 
+    def _clone(self) -> dist.Store:
+        try:
+            conn = self.store.clone()
+        except (RuntimeError, NotImplementedError, AttributeError) as exc:
+            log.warning("the store %s cannot clone (%s): its rendezvous share the training thread's client",
+                        type(self.store).__name__, exc)
+            return self.store
+        self.opened += 1
+        return conn
+
     def _shared(self) -> dist.Store:
         with self._lock:
             if self._conn is None:
-                try:
-                    self._conn = self.store.clone()
-                    self.opened += 1
-                except (RuntimeError, NotImplementedError, AttributeError):
-                    self._conn = self.store
+                self._conn = self._clone()
             return self._conn
 
     def reserve(self, n: int = 1) -> int:
@@ -406,12 +425,15 @@ class SharedConnection:
         if n < 0:
             raise PitstopError(f"reserve(n={n}): expected a count >= 0")
         before = self.opened
-        if n:
+        if n and self.polls:
             self._shared()
         return self.opened - before
 
     def lend(self, n: int) -> list:
         """``n`` polling views of the shared connection (opened first if it is not yet)."""
+        if not self.polls:
+            with self._lock:
+                return [self._clone() for _ in range(n)]
         conn = self._shared()
         return [PollingStore(conn) for _ in range(n)]
 
@@ -427,6 +449,6 @@ class SharedConnection:
         with self._lock:
             conn = self._conn
         shared = SharedConnection(dist.PrefixStore(prefix, self.store),
-                                  None if conn is None else dist.PrefixStore(prefix, conn))
+                                  None if conn is None else dist.PrefixStore(prefix, conn), polls=self.polls)
         shared.opened = self.opened
         return shared

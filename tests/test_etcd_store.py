@@ -214,3 +214,24 @@ def test_mirrored_adds_stay_atomic_under_contention(etcd_endpoint):
     finally:
         for s in stores:
             s.close()
+
+
+@pytest.mark.timeout(60)
+def test_rendezvous_on_etcd_get_clients_of_their_own_not_polling_views(etcd_endpoint):
+    """An etcd client has no lock to wait behind and no reverse-DNS stall, and polling it
+    would cost an HTTP request per check: each concurrent rendezvous gets a clone of its own.
+    Its timeout is what a PrefixStore over it (the world's, a group's) uses for an untimed get."""
+    from pitstop.store import PollingStore, SharedConnection
+
+    base = _store(etcd_endpoint, timeout_s=1234.0)
+    assert dist.PrefixStore("pitstop/world", base).timeout == timedelta(seconds=1234)
+    base.set_timeout(timedelta(seconds=77))
+    assert dist.PrefixStore("x", base).timeout == timedelta(seconds=77)
+    shared = SharedConnection(base)
+    assert shared.polls is False and shared.reserve(1) == 0
+    pool = shared.prefixed("pitstop/world")
+    views = pool.lend(3)
+    assert pool.polls is False and pool.opened == 3
+    assert not any(isinstance(v, PollingStore) for v in views) and len({id(v) for v in views}) == 3
+    views[0].set("k", "v")
+    assert views[2].get("k") == b"v" and base.get("pitstop/world/k") == b"v"

@@ -78,9 +78,10 @@ def test_world_group_composites_and_bad_replace(job, tmp_path):
 @pytest.mark.timeout(120)
 def test_background_prepare_does_not_wait_behind_the_training_threads_store_call(job, tmp_path):
     """The cause of a drain that hung for 120 s: a c10d TCPStore client holds its lock for
-    the whole of a blocking wait, so a drain's background prepare must rendezvous over a
-    connection of its own. Here each stayer's main thread waits (20 s limit) for a key
-    that its own prepare sets when done; on a shared connection that is a deadlock."""
+    the whole of a blocking wait, so a drain's background prepare must not rendezvous over
+    the training thread's connection. Here each stayer's main thread waits (20 s limit) for
+    a key that its own prepare sets when done; on the main thread's connection that is a
+    deadlock."""
     world = 4
     ctx = job.start("pg-bg", [WORKER, str(tmp_path), "background-prepare"], range(world), world)
     wait_done(job, ctx, timeout=100)

@@ -91,10 +91,15 @@ class RecoveryMixin:
         forgotten by the restart, and fails loudly instead of hanging."""
         limit = self.cfg.collective_timeout_s + self.RESTART_GRACE_S
         deadline = time.monotonic() + limit
+        probe = getattr(self.store, "reachable", None)  # etcd: a mirrored store answers check locally
         while time.monotonic() < deadline:
             time.sleep(0.5)
             try:
-                self.store.check([keys.DONE])
+                if probe is not None:
+                    if not probe():
+                        raise RecoveryError("etcd does not answer a status request")
+                else:
+                    self.store.check([keys.DONE])
             except Exception as exc:  # noqa: BLE001 - any failure of the store's own client
                 worker.controller_lost(self.prefix(), exc)
         raise RecoveryError(f"{self.prefix()} the controller announced a checkpoint restart from step {resume_step} "

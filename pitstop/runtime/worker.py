@@ -364,7 +364,7 @@ def _freeze_heap() -> None:
 THREAD_CONNECTIONS = 3
 
 
-def _open_spare_connections(store, world: int, slot: int):
+def _open_spare_connections(store, slot: int):
     """A standby opens the store connection its communicators' rendezvous share while it
     waits, not once it has a role: each new connection costs the store's server a reverse
     DNS lookup, which stalls every client of the job for the resolver's timeout when its
@@ -433,7 +433,7 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
 
             sandbox.warm_up(ch, slot, warmup, interrupted=interrupted, timeout_s=cfg.collective_timeout_s * 5)
         _freeze_heap()
-        spare = _open_spare_connections(store, world, slot)
+        spare = _open_spare_connections(store, slot)
         log.info("[standby %d] warm and waiting for a role", slot)
         try:
             assignment = _wait_assignment(ch, slot, world)
