@@ -230,6 +230,8 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
                         times.append(float(stamp[1] - stamp[0]))
                 if rank == 0:
                     out[op][size] = statistics.median(times)
+                    if op == "send":  # the fitted line's point: the lower envelope (see calibrate_topology)
+                        out.setdefault("send_fastest", {})[size] = min(times)
         # building one communicator, as a replacement's delta groups are built: pitstop's
         # new_comm (members only, a fresh store prefix each) over n ranks, and in every
         # world over 1 too (every rank its own, as a joiner's singleton groups)
@@ -257,14 +259,15 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
 
 def measure_tables(group_sizes: Sequence[int] = (2,), sizes: Sequence[int] = TABLE_SIZES,
                    ops: Sequence[str] = TABLE_OPS, repeats: int = 20, warmup: int = 3,
-                   pin: bool = True, group_build: Optional[Dict[str, float]] = None
-                   ) -> Dict[str, Dict[int, List[List[float]]]]:
+                   pin: bool = True, group_build: Optional[Dict[str, float]] = None,
+                   send_fastest: Optional[Dict[int, float]] = None) -> Dict[str, Dict[int, List[List[float]]]]:
     """Measure this machine's gloo costs per (operation, group size, bytes), nccl-tests style:
     real processes (torch.multiprocessing, spawn) meeting through a ``TCPStore(port=0)``, one
     world per group size. Returns the file form of a link's ``table``
     (:mod:`pitstop.emulation.topology`): ``{op: {group size: [[bytes, seconds], ...]}}``.
     ``group_build``, when given, is filled with the seconds one communicator took to build,
-    per group size (the topology's ``group_build_s``: 1 and every size in ``group_sizes``)."""
+    per group size (the topology's ``group_build_s``: 1 and every size in ``group_sizes``);
+    ``send_fastest`` with the fastest ``send`` per size (bytes -> seconds)."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -287,6 +290,9 @@ def measure_tables(group_sizes: Sequence[int] = (2,), sizes: Sequence[int] = TAB
         mp.spawn(_table_worker, args=(n, store.port, list(ops), sizes, repeats, warmup, pin), nprocs=n, join=True)
         got = json.loads(store.get(f"{_TABLE_KEY}/{n}"))
         builds.update(got.pop("group_build", {}))
+        fastest = got.pop("send_fastest", {})
+        if send_fastest is not None and n == 2:
+            send_fastest.update({int(b): t for b, t in fastest.items()})
         for op, rows in got.items():
             if op == "send" and n != 2:
                 continue  # one message is between two ranks whatever the world
@@ -300,21 +306,27 @@ def calibrate_topology(name: str = "cpu-gloo-calibrated", group_sizes: Sequence[
                        sizes: Sequence[int] = TABLE_SIZES, repeats: int = 20, gpus_per_node: int = 8,
                        command: str = "pitstop calibrate") -> Dict[str, Any]:
     """A topology file (its dict form) for this machine: the measured tables, and an alpha and
-    a bandwidth fitted to the ``send`` row (used for what the tables lack). Every rank shares
+    a bandwidth fitted to the fastest ``send`` per size (used for what the tables lack). Every rank shares
     the host, so both link classes are the same loopback link and ``gpus_per_node`` is nominal."""
     from pitstop.emulation.topology import from_dict
 
     builds: Dict[str, float] = {}
-    table = measure_tables(group_sizes, sizes, repeats=repeats, group_build=builds)
-    send = table["send"]["2"]
-    alpha, beta = fit_alpha_beta([b for b, _ in send], [t for _, t in send])
+    fastest: Dict[int, float] = {}
+    table = measure_tables(group_sizes, sizes, repeats=repeats, group_build=builds, send_fastest=fastest)
+    # the line is fitted to the fastest send per size, not the median the table keeps: other
+    # load on the host only ever adds time, and a burst during the few repeats of one small
+    # size made its median 15x the next size's (a clean clone's test, 3 repeats: 1.9 ms at
+    # 4 KiB, 0.12 ms at 256 KiB), so the fit refused a line that falls with size
+    points = sorted(fastest.items())
+    alpha, beta = fit_alpha_beta([b for b, _ in points], [t for _, t in points])
     link = {"alpha_s": alpha, "bandwidth_bytes_per_s": 1.0 / beta, "table": table}
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     data = {
         "name": name,
         "doc": ("gloo over 127.0.0.1, measured per (operation, group size, bytes) by pitstop calibrate: "
                 f"median of {repeats} repetitions after a barrier, from the last member's start to the last "
-                "member's end; send is half a ping-pong. Every rank shares the host: intra_node and "
+                "member's end; send is half a ping-pong. alpha_s and bandwidth_bytes_per_s are fitted to send's "
+                "fastest repetition per size (other load only adds time). Every rank shares the host: intra_node and "
                 "inter_node are the same link and gpus_per_node is nominal."),
         "calibrated": f"{when}; {_machine()}; {command}",
         "gpus_per_node": gpus_per_node,
