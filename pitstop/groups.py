@@ -178,8 +178,6 @@ class GroupRegistry:
         peers may be waiting for: a deadlock). Opened by :meth:`build` (or a standby,
         before it had a role), so a replacement opens none; see
         :class:`pitstop.store.SharedConnection`."""
-        self._taken: List[dist.Store] = []
-        """Views a deferred build took, given back once it is done."""
         self._deferred: Optional[List] = [] if deferred else None
         """A joiner's communicators still to build (see :meth:`build` and :meth:`attach`)."""
         self._builder: Optional[threading.Thread] = None
@@ -207,9 +205,7 @@ class GroupRegistry:
 
             def store() -> dist.Store:  # one view per group: its gloo twin rendezvouses after it
                 if not box:
-                    conn = self.connections.take()
-                    self._taken.append(conn)
-                    box.append(self._store_for(gen, conn))
+                    box.append(self._store_for(gen, self.connections.take()))
                 return box[0]
         else:
             store = self._store_for(gen, base)
@@ -222,14 +218,6 @@ class GroupRegistry:
                 deferred,
             )
         return Entry((kind, ranks, gen), group, "comm", gloo)
-
-    def _on_view(self, kind: str, ranks: Tuple[int, ...], gen: int, conn: dist.Store) -> Entry:
-        """Build one communicator over ``conn``, a polling view of the shared spare connection
-        (:meth:`SharedConnection.lend`): no other rendezvous blocks it meanwhile."""
-        try:
-            return self._build_comm(kind, ranks, gen, conn)
-        finally:
-            self.connections.give(conn)
 
     def rendezvous_count(self) -> int:
         """How many communicators of this rank rendezvous in a full build: the most any
@@ -288,10 +276,6 @@ class GroupRegistry:
         except BaseException as exc:  # noqa: BLE001 - raised by attach() in the caller's thread
             self._builder_error = exc
             return
-        finally:
-            taken, self._taken = self._taken, []
-            for conn in taken:
-                self.connections.give(conn)
         log.info("%s %d communicators built in the background in %.3fs", tag(self.generation, self.rank),
                  sum(len(t) for t in tasks), time.perf_counter() - t0)
 
@@ -348,10 +332,10 @@ class GroupRegistry:
                 built.append(kind)
         elif concurrent:
             conns = self.connections.lend(len(todo))
-            made = _concurrently([(lambda k=kind, r=ranks, c=c: self._on_view(k, r, gen, c))
+            made = _concurrently([(lambda k=kind, r=ranks, c=c: self._build_comm(k, r, gen, c))
                                   for (kind, ranks), c in zip(todo, conns)],
                                  f"r{self.rank} g{gen}", self._destroy_entry) if len(todo) > 1 else \
-                [self._on_view(k, r, gen, c) for (k, r), c in zip(todo, conns)]
+                [self._build_comm(k, r, gen, c) for (k, r), c in zip(todo, conns)]
             for (kind, _), e in zip(todo, made):
                 entries[kind] = e
                 built.append(kind)

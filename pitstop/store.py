@@ -380,8 +380,8 @@ class SharedConnection:
         build / standby warmup:  reserve()   -> the one connection, opened (counted)
         replacement (k groups):  lend(k)     -> k views of it, no new connection
 
-    The same interface as :class:`ConnectionPool`; ``opened`` counts the connections it
-    opened (at most one). A store that cannot clone is shared as itself (logged: the
+    Nothing is given back: a view holds no connection of its own. ``opened`` counts the connections it
+    opened (at most one when it polls). A store that cannot clone is shared as itself (logged: the
     training thread's blocking waits then hold up the views). An etcd store
     (:class:`pitstop.etcd_store.EtcdStore`) has no client lock and no reverse-DNS stall, and
     polling it would cost an HTTP request per check: it lends a clone of its own to each
@@ -439,9 +439,6 @@ class SharedConnection:
 
     def take(self) -> dist.Store:
         return self.lend(1)[0]
-
-    def give(self, conn: dist.Store) -> None:
-        """Nothing to return: a view holds no connection of its own."""
 
     def prefixed(self, prefix: str) -> "SharedConnection":
         """The pool of ``PrefixStore(prefix, self.store)``, sharing this pool's connection
