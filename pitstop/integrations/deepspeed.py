@@ -46,6 +46,7 @@ from pitstop.integrations.deepspeed_config import PitstopSection, refuse_unsuppo
 from pitstop.layout import ParallelLayout
 from pitstop.runtime import sandbox as _sandbox
 from pitstop.runtime.framework import FaultPoints, Framework
+from pitstop.runtime.session import Session  # imported here, not by a joiner on the critical path
 from pitstop.emulation import runtime as _emulation  # noqa: F401 - plugs `pitstop emulate` into worker.join
 
 log = logging.getLogger(__name__)
@@ -108,10 +109,14 @@ def _refuse_moe(model) -> None:
 #:   shift in timing exposed.)
 #: * DeepSpeed 0.19's ``is_zero_supported_optimizer`` imports its Muon optimizer, whose
 #:   module-level ``torch.compile`` pulls in all of inductor.
+#: * DeepSpeed 0.19's config parser imports its AutoEP (expert-parallel) presets,
+#:   ``deepspeed.module_inject.auto_ep_config``, for every engine: 0.04 s of a cold joiner's
+#:   build under cProfile.
 #:
 #: A name an installed DeepSpeed lacks is skipped; ``tests/test_deepspeed_engine.py`` fails
 #: loudly when a first engine build imports many modules again.
-LAZY_IMPORTS = ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer")
+LAZY_IMPORTS = ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer",
+                "deepspeed.module_inject.auto_ep_config")
 
 
 def preimport() -> List[str]:
@@ -154,9 +159,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         args.deepspeed_config = None  # the stripped dict goes in as config=
     deepspeed = require("deepspeed", "deepspeed")
     preimport()  # before worker.join: a standby pays it while it waits for a role
-    from pitstop.patches import deepspeed_cpu
+    from pitstop.patches import deepspeed_cpu, deepspeed_zero3
 
     deepspeed_cpu.apply()  # no JIT build of the shm op on CPU; no-op with CUDA
+    deepspeed_zero3.apply()  # a ZeRO-3 optimizer's build does not format every parameter's values
     from pitstop.runtime import worker
     from pitstop.runtime.config import RuntimeConfig
 
@@ -224,8 +230,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 def session(engine, make_data, **kw):
     """The iteration-boundary hook for a DeepSpeed training loop (see :class:`pitstop.runtime.session.Session`)."""
-    from pitstop.runtime.session import Session
-
     return Session([engine], engine.optimizer, make_data, framework=DEEPSPEED, **kw)
 
 

@@ -27,6 +27,7 @@ from pitstop.layout import ParallelLayout
 from pitstop.logtag import tag
 from pitstop.runtime import sandbox as _sandbox
 from pitstop.runtime.framework import Framework
+from pitstop.runtime.session import Session  # imported here, not by a joiner on the critical path
 from pitstop.emulation import runtime as _emulation  # noqa: F401 - plugs `pitstop emulate` into worker.join
 
 log = logging.getLogger(__name__)
@@ -424,8 +425,6 @@ def init_distributed(config=None, warmup=None):
 
 def session(model, optimizer, make_data, **kw):
     """The iteration-boundary hook for a Megatron training loop (see :class:`pitstop.runtime.session.Session`)."""
-    from pitstop.runtime.session import Session
-
     kw.setdefault("framework", MEGATRON)
     return Session(model, optimizer, make_data, **kw)
 
