@@ -46,6 +46,9 @@ def add_benchmarks(bsub) -> None:
                         "world-4 ZeRO-2 engine vs DeepSpeed's save_checkpoint/load_checkpoint restart")
     r.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="with --framework deepspeed: the engine's ZeRO stage (default 2); the JSON says which")
+    r.add_argument("--repeat", type=_count(1), default=1,
+                   help="run the checkpoint restart and the warm replacement N times each, interleaved, and report "
+                        "the lower medians, with every repeat under \"repeats\" (megatron and deepspeed)")
     fm = bsub.add_parser("faults", help="the full fault matrix (4 roles x 5 phases), each bitwise against an uninterrupted run")
     fm.add_argument("--json", action="store_true")
     fm.add_argument("--run-dir", default="runs/bench-faults")
@@ -141,11 +144,13 @@ def run(args: argparse.Namespace) -> int:
             bad = unsupported({"zero_optimization": {"stage": stage}})
             if bad:  # before any process starts: nothing half-way
                 raise PitstopError(f"--zero-stage {stage}: " + "; ".join(bad))
-            out = bench_recovery_deepspeed(steps=args.steps or 8, zero_stage=stage,
+            out = bench_recovery_deepspeed(steps=args.steps or 8, zero_stage=stage, repeat=args.repeat,
                                            run_dir=args.run_dir or "runs/bench-recovery-deepspeed")
         elif args.framework == "megatron-lm":
             if args.zero_stage is not None:
                 raise PitstopError(f"--zero-stage {args.zero_stage}: only with --framework deepspeed")
+            if args.repeat != 1:
+                raise PitstopError(f"--repeat {args.repeat}: not with --framework megatron-lm (one run of each)")
             from pitstop.bench.megatron_lm import bench_recovery_megatron_lm
 
             out = bench_recovery_megatron_lm(steps=args.steps or 12,
@@ -154,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             raise PitstopError(f"--zero-stage {args.zero_stage}: only with --framework deepspeed (the Megatron "
                                "bench uses Megatron's distributed optimizer)")
         else:
-            out = bench_recovery(steps=args.steps or 8, run_dir=args.run_dir or "runs/bench-recovery")
+            out = bench_recovery(steps=args.steps or 8, run_dir=args.run_dir or "runs/bench-recovery", repeat=args.repeat)
         print(json.dumps(out) if args.json else json.dumps(out, indent=2))
         return 0
     if args.cmd == "bench" and args.bench == "faults":

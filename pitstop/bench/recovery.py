@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pitstop.launch.controller import request_drain
 from pitstop.launch.runs import JobResult, run_job, wait_for_event, wait_for_step
@@ -27,6 +27,55 @@ KILL = Fault.kill(rank=5).at(step=4, phase="backward")
 
 def _identical(res: JobResult, ref: JobResult) -> bool:
     return res.code == 0 and res.losses == ref.losses and res.checksums == ref.checksums
+
+
+def _repeated(repeat: int, restart_job: Callable[[int], JobResult],
+              unplanned_job: Callable[[int], JobResult]) -> Tuple[JobResult, JobResult, Dict[str, Any]]:
+    """Run the checkpoint restart and the warm replacement ``repeat`` times, interleaved (restart
+    1, replacement 1, restart 2, ...) so that a drift in the machine's load falls on both.
+
+    Returns the restart run and the replacement run whose times are the lower medians of their
+    series (each a run that happened, so its breakdown adds up), and the series themselves:
+    on a machine this noisy one run can flatter or wrong either side by 2x. ``ratio_pairs`` are
+    the per-repeat ratios, each a replacement over the restart run beside it."""
+    if repeat < 1:
+        raise ValueError(f"repeat({repeat}) must be >= 1")
+    restarts: List[JobResult] = []
+    replacements: List[JobResult] = []
+    for i in range(repeat):
+        restarts.append(restart_job(i))
+        replacements.append(unplanned_job(i))
+
+    def downtime(res: JobResult, kind: str) -> Optional[float]:
+        return (res.of(kind) or [{}])[0].get("downtime_s")
+
+    base = [downtime(r, "restarted") for r in restarts]
+    ours = [downtime(r, "replaced") for r in replacements]
+
+    def median_run(runs: List[JobResult], times: List[Optional[float]]) -> JobResult:
+        if any(t is None for t in times):  # a run without its event: report that one, as a single run would
+            return runs[[t is None for t in times].index(True)]
+        m = statistics.median_low(times)
+        return runs[times.index(m)]
+
+    series = {
+        "n": repeat,
+        "baseline_restart_s": base,
+        "unplanned_s": ours,
+        "ratio_pairs": [None if not (b and u) else round(u / b, 4) for b, u in zip(base, ours)],
+        "runs": replacements,  # taken out by the caller, which checks each one's losses
+    }
+    return median_run(restarts, base), median_run(replacements, ours), series
+
+
+def _with_repeats(out: Dict[str, Any], series: Dict[str, Any], every_identical: bool) -> Dict[str, Any]:
+    """Attach the repeats; with more than one, ``loss_identical`` holds only if every repeat's does."""
+    if series["n"] > 1:
+        pairs = [r for r in series["ratio_pairs"] if r is not None]
+        out["repeats"] = {**series, "ratio_max": max(pairs) if pairs else None,
+                          "ratio_min": min(pairs) if pairs else None}
+        out["loss_identical"] = out["loss_identical"] and every_identical
+    return out
 
 
 def _summary(ref: JobResult, restart: JobResult, rep: Dict[str, Any], drn: Dict[str, Any],
@@ -62,14 +111,24 @@ def _summary(ref: JobResult, restart: JobResult, rep: Dict[str, Any], drn: Dict[
     }
 
 
-def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict[str, Any]:
+def _suffix(i: int) -> str:
+    return "" if i == 0 else f"-{i + 1}"
+
+
+def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery", repeat: int = 1) -> Dict[str, Any]:
+    """The world-8 Megatron job; ``repeat`` > 1 runs the restart and the warm replacement that many
+    times each, interleaved, and reports the lower medians (see :func:`_repeated`)."""
     base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
     ref = run_job(base / "reference", steps)
     if ref.code != 0:
         raise RuntimeError(f"the reference run failed:\n{ref.tails()}")
-    restart = run_job(base / "restart", steps, standby=0, faults=KILL.spec(), launch_args=["--save-interval", "2"])
     # the same kill twice: a standby warmed by the sandbox (held for at step 1), and a cold one
-    unplanned = run_job(base / "unplanned", steps, standby=1, faults=KILL.spec(), launch_args=["--hold-for-warm", "600"])
+    restart, unplanned, series = _repeated(
+        repeat,
+        lambda i: run_job(base / f"restart{_suffix(i)}", steps, standby=0, faults=KILL.spec(),
+                          launch_args=["--save-interval", "2"]),
+        lambda i: run_job(base / f"unplanned{_suffix(i)}", steps, standby=1, faults=KILL.spec(),
+                          launch_args=["--hold-for-warm", "600"]))
     cold = run_job(base / "unplanned-cold", steps, standby=1, faults=KILL.spec(), launch_args=["--no-warmup"])
 
     def drain(d: Path) -> None:  # asked for right after the recorded step 1, while the standby warms up
@@ -82,6 +141,7 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery") -> Dict
     rep_cold = (cold.of("replaced") or [{}])[0]
     out = _summary(ref, restart, rep, (planned.of("drained") or [{}])[0],
                    _identical(unplanned, ref) and _identical(planned, ref) and _identical(cold, ref))
+    _with_repeats(out, series, all(_identical(r, ref) for r in series.pop("runs")))
     # what the sandboxed warmup takes off the critical path (same kill, same job, cold standby)
     out["breakdown"]["warmup"] = {
         "joiner_warm": rep.get("warm"), "cold_joiner_s": rep_cold.get("downtime_s"), "warm_joiner_s": rep.get("downtime_s"),
@@ -112,7 +172,7 @@ DS_LAUNCH = ["--heartbeat-timeout", "15"]  # DeepSpeed's import and engine build
 
 
 def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery-deepspeed",
-                             zero_stage: int = 2) -> Dict[str, Any]:
+                             zero_stage: int = 2, repeat: int = 1) -> Dict[str, Any]:
     """The same keys as :func:`bench_recovery` plus ``zero_stage``, for a DeepSpeed engine at
     world 4 (ZeRO stage ``zero_stage``, 2 unless asked).
 
@@ -126,17 +186,19 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
     The unplanned replacement runs twice, side by side: with a standby warmed in the sandbox
     (it replays rank 0's recorded set-up and step 1; training holds after step 1 until it has,
     ``--hold-for-warm``), whose time is ``unplanned_s``, and with a cold one (``--no-warmup``),
-    under ``breakdown.warmup``.
+    under ``breakdown.warmup``. ``repeat`` > 1: as :func:`bench_recovery`.
     """
     base = Path(run_dir) / time.strftime("%Y%m%d-%H%M%S")
     gpt = _ds_script(zero_stage)
     ref = run_job(base / "reference", steps, nproc=4, gpt=gpt, launch_args=DS_LAUNCH)
     if ref.code != 0:
         raise RuntimeError(f"the reference run failed:\n{ref.tails()}")
-    restart = run_job(base / "restart", steps, standby=0, faults=DS_KILL.spec(), nproc=4, gpt=gpt,
-                      launch_args=DS_LAUNCH + ["--save-interval", "2"])
-    unplanned = run_job(base / "unplanned", steps, standby=1, faults=DS_KILL.spec(), nproc=4, gpt=gpt,
-                        launch_args=DS_LAUNCH + ["--hold-for-warm", "600"])
+    restart, unplanned, series = _repeated(
+        repeat,
+        lambda i: run_job(base / f"restart{_suffix(i)}", steps, standby=0, faults=DS_KILL.spec(), nproc=4, gpt=gpt,
+                          launch_args=DS_LAUNCH + ["--save-interval", "2"]),
+        lambda i: run_job(base / f"unplanned{_suffix(i)}", steps, standby=1, faults=DS_KILL.spec(), nproc=4, gpt=gpt,
+                          launch_args=DS_LAUNCH + ["--hold-for-warm", "600"]))
     cold = run_job(base / "unplanned-cold", steps, standby=1, faults=DS_KILL.spec(), nproc=4, gpt=gpt,
                    launch_args=DS_LAUNCH + ["--no-warmup"])
     drain_steps = max(steps, 24)
@@ -152,6 +214,7 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
     rep_cold = (cold.of("replaced") or [{}])[0]
     out = _summary(ref, restart, rep, (planned.of("drained") or [{}])[0],
                    _identical(unplanned, ref) and _identical(cold, ref) and _identical(planned, ref_slow))
+    _with_repeats(out, series, all(_identical(r, ref) for r in series.pop("runs")))
     warmed = [e for e in unplanned.of("warmed") if e.get("ok")]
     cls = (warmed[0]["classes"] or [{}])[0] if warmed else {}
     out["breakdown"]["warmup"] = {
