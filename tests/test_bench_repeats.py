@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pitstop.bench.recovery import _repeated, _with_repeats
+from pitstop.bench.recovery import _identical, _repeated, _with_repeats
 
 
 class _Run:
@@ -51,3 +51,24 @@ def test_a_run_without_its_event_is_the_one_reported_and_one_repeat_adds_nothing
     assert "repeats" not in _with_repeats({"loss_identical": True}, single, every_identical=True)
     with pytest.raises(ValueError, match=r"repeat\(0\) must be >= 1"):
         _repeated(0, None, None)
+
+
+class _Job:
+    """What ``_identical`` reads of a finished job."""
+
+    def __init__(self, events=(), code=0, losses=None):
+        self.code, self.losses, self.checksums = code, losses or {1: "0x1.8p+1"}, {0: "abc"}
+        self.events = list(events)
+
+    def of(self, kind: str):
+        return [{"kind": k} for k in self.events if k == kind]
+
+
+def test_a_run_whose_replacement_never_happened_is_not_a_bitwise_replacement():
+    ref = _Job()
+    assert _identical(_Job(["replaced"]), ref, "replaced")
+    assert not _identical(_Job([]), ref, "replaced")  # same losses, but nothing was replaced
+    assert not _identical(_Job(["replaced"]), ref, "drained")
+    assert not _identical(_Job(["replaced"], code=1), ref, "replaced")
+    assert not _identical(_Job(["replaced"], losses={1: "0x1.9p+1"}), ref, "replaced")
+    assert _identical(_Job([]), ref)  # the reference-like runs name no event

@@ -25,8 +25,12 @@ from pitstop.runtime.faults import Fault
 KILL = Fault.kill(rank=5).at(step=4, phase="backward")
 
 
-def _identical(res: JobResult, ref: JobResult) -> bool:
-    return res.code == 0 and res.losses == ref.losses and res.checksums == ref.checksums
+def _identical(res: JobResult, ref: JobResult, happened: Optional[str] = None) -> bool:
+    """``res`` ended cleanly with the reference's losses and checksums, and, given ``happened``
+    (``replaced``, ``drained``), the controller logged that event: a run whose kill or drain never
+    took effect also matches the reference, and must not count as a bitwise replacement."""
+    return (res.code == 0 and res.losses == ref.losses and res.checksums == ref.checksums
+            and (happened is None or bool(res.of(happened))))
 
 
 def _repeated(repeat: int, restart_job: Callable[[int], JobResult],
@@ -140,8 +144,9 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery", repeat:
     rep = (unplanned.of("replaced") or [{}])[0]
     rep_cold = (cold.of("replaced") or [{}])[0]
     out = _summary(ref, restart, rep, (planned.of("drained") or [{}])[0],
-                   _identical(unplanned, ref) and _identical(planned, ref) and _identical(cold, ref))
-    _with_repeats(out, series, all(_identical(r, ref) for r in series.pop("runs")))
+                   _identical(unplanned, ref, "replaced") and _identical(planned, ref, "drained")
+                   and _identical(cold, ref, "replaced"))
+    _with_repeats(out, series, all(_identical(r, ref, "replaced") for r in series.pop("runs")))
     # what the sandboxed warmup takes off the critical path (same kill, same job, cold standby)
     out["breakdown"]["warmup"] = {
         "joiner_warm": rep.get("warm"), "cold_joiner_s": rep_cold.get("downtime_s"), "warm_joiner_s": rep.get("downtime_s"),
@@ -213,8 +218,9 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
     rep = (unplanned.of("replaced") or [{}])[0]
     rep_cold = (cold.of("replaced") or [{}])[0]
     out = _summary(ref, restart, rep, (planned.of("drained") or [{}])[0],
-                   _identical(unplanned, ref) and _identical(cold, ref) and _identical(planned, ref_slow))
-    _with_repeats(out, series, all(_identical(r, ref) for r in series.pop("runs")))
+                   _identical(unplanned, ref, "replaced") and _identical(cold, ref, "replaced")
+                   and _identical(planned, ref_slow, "drained"))
+    _with_repeats(out, series, all(_identical(r, ref, "replaced") for r in series.pop("runs")))
     warmed = [e for e in unplanned.of("warmed") if e.get("ok")]
     cls = (warmed[0]["classes"] or [{}])[0] if warmed else {}
     out["breakdown"]["warmup"] = {
