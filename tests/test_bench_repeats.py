@@ -29,12 +29,11 @@ def test_the_lower_median_runs_stand_for_the_series_and_the_order_interleaves():
         order.append(("unplanned", i))
         return _Run("replaced", ours[i])
 
-    rst, rep, series = _repeated(4, restart, unplanned)
+    rst, rep, runs, series = _repeated(4, restart, unplanned)
     assert order == [("restart", 0), ("unplanned", 0), ("restart", 1), ("unplanned", 1),
                      ("restart", 2), ("unplanned", 2), ("restart", 3), ("unplanned", 3)]
     assert rst.downtime == 10.0 and rep.downtime == 0.5  # lower medians: real runs, not averages
     assert series["ratio_pairs"] == [0.05, round(0.4 / 14.0, 4), 0.1, 0.05]
-    runs = series.pop("runs")
     assert [r.downtime for r in runs] == ours
     out = _with_repeats({"loss_identical": True}, series, every_identical=False)
     assert out["loss_identical"] is False  # one repeat that diverged spoils the series
@@ -42,12 +41,10 @@ def test_the_lower_median_runs_stand_for_the_series_and_the_order_interleaves():
 
 
 def test_a_run_without_its_event_is_the_one_reported_and_one_repeat_adds_nothing():
-    rst, rep, series = _repeated(3, lambda i: _Run("restarted", 10.0 + i),
+    rst, rep, _, series = _repeated(3, lambda i: _Run("restarted", 10.0 + i),
                                  lambda i: _Run("replaced", None if i == 1 else 0.5))
     assert rep.downtime is None and series["ratio_pairs"][1] is None
-    series.pop("runs")
-    single = _repeated(1, lambda i: _Run("restarted", 10.0), lambda i: _Run("replaced", 0.5))[2]
-    single.pop("runs")
+    single = _repeated(1, lambda i: _Run("restarted", 10.0), lambda i: _Run("replaced", 0.5))[3]
     assert "repeats" not in _with_repeats({"loss_identical": True}, single, every_identical=True)
     with pytest.raises(ValueError, match=r"repeat\(0\) must be >= 1"):
         _repeated(0, None, None)

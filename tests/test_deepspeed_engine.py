@@ -528,7 +528,6 @@ def test_a_first_engine_build_after_preimport_imports_almost_nothing():
 
 
 _ZERO3_REPR = r"""
-import hashlib
 import torch._tensor_str as ts
 from pitstop.patches import deepspeed_zero3
 import deepspeed.runtime.zero.stage3 as s3

@@ -33,13 +33,14 @@ def _identical(res: JobResult, ref: JobResult, happened: Optional[str] = None) -
             and (happened is None or bool(res.of(happened))))
 
 
-def _repeated(repeat: int, restart_job: Callable[[int], JobResult],
-              unplanned_job: Callable[[int], JobResult]) -> Tuple[JobResult, JobResult, Dict[str, Any]]:
+def _repeated(repeat: int, restart_job: Callable[[int], JobResult], unplanned_job: Callable[[int], JobResult]
+              ) -> Tuple[JobResult, JobResult, List[JobResult], Dict[str, Any]]:
     """Run the checkpoint restart and the warm replacement ``repeat`` times, interleaved (restart
     1, replacement 1, restart 2, ...) so that a drift in the machine's load falls on both.
 
     Returns the restart run and the replacement run whose times are the lower medians of their
-    series (each a run that happened, so its breakdown adds up), and the series themselves:
+    series (each a run that happened, so its breakdown adds up), every replacement run (whose
+    losses the caller checks), and the series of times:
     on a machine this noisy one run can flatter or wrong either side by 2x. ``ratio_pairs`` are
     the per-repeat ratios, each a replacement over the restart run beside it."""
     if repeat < 1:
@@ -67,9 +68,8 @@ def _repeated(repeat: int, restart_job: Callable[[int], JobResult],
         "baseline_restart_s": base,
         "unplanned_s": ours,
         "ratio_pairs": [None if not (b and u) else round(u / b, 4) for b, u in zip(base, ours)],
-        "runs": replacements,  # taken out by the caller, which checks each one's losses
     }
-    return median_run(restarts, base), median_run(replacements, ours), series
+    return median_run(restarts, base), median_run(replacements, ours), replacements, series
 
 
 def _with_repeats(out: Dict[str, Any], series: Dict[str, Any], every_identical: bool) -> Dict[str, Any]:
@@ -127,7 +127,7 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery", repeat:
     if ref.code != 0:
         raise RuntimeError(f"the reference run failed:\n{ref.tails()}")
     # the same kill twice: a standby warmed by the sandbox (held for at step 1), and a cold one
-    restart, unplanned, series = _repeated(
+    restart, unplanned, repeats, series = _repeated(
         repeat,
         lambda i: run_job(base / f"restart{_suffix(i)}", steps, standby=0, faults=KILL.spec(),
                           launch_args=["--save-interval", "2"]),
@@ -146,7 +146,7 @@ def bench_recovery(steps: int = 8, run_dir: str = "runs/bench-recovery", repeat:
     out = _summary(ref, restart, rep, (planned.of("drained") or [{}])[0],
                    _identical(unplanned, ref, "replaced") and _identical(planned, ref, "drained")
                    and _identical(cold, ref, "replaced"))
-    _with_repeats(out, series, all(_identical(r, ref, "replaced") for r in series.pop("runs")))
+    _with_repeats(out, series, all(_identical(r, ref, "replaced") for r in repeats))
     # what the sandboxed warmup takes off the critical path (same kill, same job, cold standby)
     out["breakdown"]["warmup"] = {
         "joiner_warm": rep.get("warm"), "cold_joiner_s": rep_cold.get("downtime_s"), "warm_joiner_s": rep.get("downtime_s"),
@@ -198,7 +198,7 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
     ref = run_job(base / "reference", steps, nproc=4, gpt=gpt, launch_args=DS_LAUNCH)
     if ref.code != 0:
         raise RuntimeError(f"the reference run failed:\n{ref.tails()}")
-    restart, unplanned, series = _repeated(
+    restart, unplanned, repeats, series = _repeated(
         repeat,
         lambda i: run_job(base / f"restart{_suffix(i)}", steps, standby=0, faults=DS_KILL.spec(), nproc=4, gpt=gpt,
                           launch_args=DS_LAUNCH + ["--save-interval", "2"]),
@@ -220,7 +220,7 @@ def bench_recovery_deepspeed(steps: int = 8, run_dir: str = "runs/bench-recovery
     out = _summary(ref, restart, rep, (planned.of("drained") or [{}])[0],
                    _identical(unplanned, ref, "replaced") and _identical(cold, ref, "replaced")
                    and _identical(planned, ref_slow, "drained"))
-    _with_repeats(out, series, all(_identical(r, ref, "replaced") for r in series.pop("runs")))
+    _with_repeats(out, series, all(_identical(r, ref, "replaced") for r in repeats))
     warmed = [e for e in unplanned.of("warmed") if e.get("ok")]
     cls = (warmed[0]["classes"] or [{}])[0] if warmed else {}
     out["breakdown"]["warmup"] = {
