@@ -355,6 +355,8 @@ def test_two_ranks_killed_at_once_are_replaced_together(reference, tmp_path):
     assert len(rep) == 1 and rep[0]["roles"] == [4, 5] and rep[0]["generation"] == 1, res.tails()
     f = res.of("failure")
     assert len(f) == 1 and f[0]["roles"] == [4, 5], res.tails()
+    # one machine: the window closed once neither was dying, not after the whole settle_s
+    assert f[0]["settled_s"] < f[0]["settle_s"], f
     assert not res.of("fallback"), res.tails()
 
 

@@ -192,6 +192,8 @@ class Controller:
         self.committed: Optional[tuple] = None        # (generation, step, time) of the last verified commit
         self.lost: Dict[int, tuple] = {}               # role -> (proc, reason, seen): gathered for settle_s, then one failure
         self.lost_at = 0.0
+        self.settled_after = 0.0                      # how long the last failure's settle window lasted
+        self.refill = 0                                # standbys to start once the change under way is over
         self.lost_detected = 0.0
         self.lost_waiting = False                      # a failure waits for standbys still starting
         self._lookout = Lookout()                      # process heartbeats: silence unseen is not counted
@@ -335,12 +337,14 @@ class Controller:
                 self._settle()
                 for p in self.agent.poll():
                     self._on_exit(p)
+                self._settle()  # a loss seen just now may be all there is to gather (see _settle)
                 self._check_heartbeats()
                 self._check_drain_requests()
                 self._progress()
+                self._refill()
                 self._watch_warmup()
                 self._persist()
-                time.sleep(0.01)
+                self._idle(0.01)
         finally:
             self.ch.put(keys.DONE, {"set": True})
             time.sleep(0.2)
@@ -372,7 +376,7 @@ class Controller:
             "members": [member(m) for m in self.members.values()],
             "roster": json.loads(self.roster.to_json()) if self.roster is not None else None,
             "role_slots": [[r, sl] for r, sl in self.role_slots.items()], "pool": list(self.pool),
-            "pending": self.pending, "drain_queue": [[list(r), v] for r, v in self.drain_queue],
+            "pending": self.pending, "drain_queue": [[list(r), v] for r, v in self.drain_queue], "refill": self.refill,
             "drain_waiting": [list(t) for t in self.drain_waiting],
             "draining": None if self.draining is None else {
                 **self.draining, "slots": [[r, sl] for r, sl in self.draining["slots"].items()],
@@ -436,6 +440,7 @@ class Controller:
         self.roster = Roster.from_json(json.dumps(st["roster"])) if st["roster"] is not None else None
         self.role_slots = {int(r): int(sl) for r, sl in st["role_slots"]}
         self.pool = [int(x) for x in st["pool"]]
+        self.refill = int(st.get("refill", 0))
         self.pending = list(st["pending"])
         self.drain_queue = [(list(r), v) for r, v in st["drain_queue"]]
         self.drain_waiting = {tuple(t) for t in st["drain_waiting"]}
@@ -634,9 +639,15 @@ class Controller:
     #: through the store, then this loop's read): 0.15 s. On one machine this controller
     #: polls its own children every 10 ms loop, so processes killed together are seen one or
     #: two loops apart: 0.05 s (``settle_skew_s`` in the ``failure`` event says how far apart
-    #: they were). The window is spent by the whole job, so it is kept no longer than that.
+    #: they were). The window is spent by the whole job, so it is kept no longer than that,
+    #: and on one machine it ends as soon as no other child is dying (:meth:`_gathered`;
+    #: ``settled_s`` in the event says how long it lasted).
     SETTLE_S = 0.15
     SETTLE_LOCAL_S = 0.05
+    #: The shortest window on one machine: a process that has just taken its SIGKILL off the
+    #: pending set is in ``do_exit`` (``PF_EXITING``) within microseconds, unless it is
+    #: preempted in between; one loop's pause covers that on a loaded machine.
+    SETTLE_MIN_S = 0.01
 
     @property
     def settle_s(self) -> float:
@@ -662,12 +673,36 @@ class Controller:
     #: How long a failure waits for standbys that were started but have not said hello yet.
     STARTING_STANDBY_WAIT_S = 60.0
 
+    def _idle(self, seconds: float) -> None:
+        """The loop's pause: on this machine it ends early when a child exits (pidfds)."""
+        wait = getattr(self.agent, "wait_exit", None)
+        if wait is None:
+            time.sleep(seconds)
+        else:
+            wait(seconds)
+
+    def _gathered(self) -> bool:
+        """Whether the lost processes are all that this failure takes, before ``settle_s``.
+
+        Only on one machine, where this controller sees its children itself: a SIGKILL of
+        several (a process group, the OOM killer's sweep) marks each of them dying in the
+        kernel at once (:func:`pitstop.launch.agent.exiting`), so once no other child is
+        dying nothing more of this event can come, and waiting out the window would only
+        add it to the downtime. A child still dying holds the window open (up to
+        ``settle_s``). Across machines an exit is known only through its agent's report,
+        so the full window stands."""
+        dying = getattr(self.agent, "dying", None)
+        if self.spec.agents_apart or dying is None or time.monotonic() - self.lost_at < self.SETTLE_MIN_S:
+            return False
+        return not dying()
+
     def _settle(self) -> None:
-        if self.lost and time.monotonic() - self.lost_at >= self.settle_s:
+        if self.lost and (time.monotonic() - self.lost_at >= self.settle_s or self._gathered()):
             if self._standbys_starting(len(self.lost)):
                 return
             lost, self.lost = self.lost, {}
             self.lost_waiting = False
+            self.settled_after = time.monotonic() - self.lost_at
             self._failure(lost, self.lost_detected)
 
     def _standbys_starting(self, n: int) -> bool:
@@ -722,11 +757,13 @@ class Controller:
         self.events.write("failure", role=roles[0], roles=roles, reason=reason, step=step, generation=g,
                           detect_s=None if fired is None else round(t_detect - fired, 4),
                           settle_s=self.settle_s, settle_skew_s=round(max(seen) - min(seen), 4),
+                          settled_s=round(self.settled_after, 4),
                           log=[self.agent.log_paths(lost[r][0])["stderr"] for r in roles] if len(roles) > 1
                           else self.agent.log_paths(lost[roles[0]][0])["stderr"])
-        for s in slots.values():
-            if not self.members[s].machine:
-                self._start_standby()  # keep the pool full: the next failure finds a warm standby too
+        # keep the pool full, so the next failure finds a warm standby too, but start the new ones
+        # only once this change is over (_refill): a standby's start-up (imports, the sandbox)
+        # takes a core for seconds, and on this machine that core is the replacement's
+        self.refill += sum(1 for s in slots.values() if not self.members[s].machine)
         self.pending.append({"kind": "unplanned", "role": roles[0], "roles": roles, "generation": g + 1, "step": step,
                              "old": old[roles[0]] if len(roles) == 1 else old,
                              "new": joiners[roles[0]].describe() if len(roles) == 1 else {r: j.describe() for r, j in joiners.items()},
@@ -1001,8 +1038,14 @@ class Controller:
                          "warm": all(self._warm(s) for s in slots.values())}
         self.events.write("drain-prepare", role=roles[0], roles=sorted(roles), generation=g,
                           joiner=joiners[roles[0]].describe(), standby_machine=via)
-        for s in slots.values():
-            if not self.members[s].machine:
+        self.refill += sum(1 for s in slots.values() if not self.members[s].machine)  # see _failure
+
+    def _refill(self) -> None:
+        """Start the standbys that replace those a change took, once no change is under way:
+        a failure or drain's new generation has committed a step (:meth:`_in_change`)."""
+        if self.refill and self.exit_code is None and not self._in_change():
+            n, self.refill = self.refill, 0
+            for _ in range(n):
                 self._start_standby()
 
     def _drain_progress(self) -> None:

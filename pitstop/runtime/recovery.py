@@ -68,12 +68,17 @@ class RecoveryMixin:
         return {**info, "roles": roles}
 
     def _wait_fault(self) -> dict:
+        """The fault of this generation. The vote is often settled poisoned by the controller
+        just before it writes the fault: the end-of-generation watch wakes this wait then,
+        the 10 ms look is the fallback."""
         deadline = time.monotonic() + self.cfg.collective_timeout_s * 2
         while time.monotonic() < deadline:
             info = self._fault_info(self.ch, self.gen)
             if info is not None:
+                self._fault_seen.clear()
                 return info
-            time.sleep(0.01)
+            self._fault_seen.wait(0.01)
+            self._fault_seen.clear()
         raise RecoveryError(f"{self.prefix()} the step was discarded but no fault of generation {self.gen} "
                             f"came within {self.cfg.collective_timeout_s * 2:.0f}s")
 

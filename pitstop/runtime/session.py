@@ -148,6 +148,7 @@ class Session(RecoveryMixin, DrainMixin):
         if self.faults:
             self._arm_faults()
         self._end_watch: Optional[worker.KeyWatch] = None
+        self._fault_seen = threading.Event()  # set by the watchers when a fault is announced
         if self.m.heartbeat is not None:
             self.m.heartbeat.watchers.append(self._watch)
             # the generation's end (a fault or a drain) is waited on: a stayer blocked on a dead
@@ -439,6 +440,8 @@ class Session(RecoveryMixin, DrainMixin):
         gen = self.gen
         if self._aborted_gen < gen:
             info = self._fault_info(ch, gen)
+            if info is not None:
+                self._fault_seen.set()  # wakes _wait_fault at once
             if info is not None and info.get("roles"):  # (a fallback names none)
                 self._abandon_delta(gen, info["roles"])
         if self._drain is None:
