@@ -213,3 +213,24 @@ def test_until_released_waits_for_the_thread_that_still_holds_the_work():
     t0 = time.monotonic()
     _until_released(t, held, "test")  # already released: at once
     assert time.monotonic() - t0 < 0.05
+
+
+def test_the_tap_set_through_the_package_is_the_one_the_operations_read():
+    """``pitstop.pg`` is a package of one module per concern; ``pitstop.pg.TAP = f`` (the
+    recorder's and the sandbox's spelling) must set :data:`pitstop.pg.tap.TAP`, which the
+    world and guarded groups read, not a shadow attribute of the package."""
+    import pitstop.pg as pgpkg
+    from pitstop.pg import tap
+
+    def hook(kind, what, args):  # noqa: ARG001
+        return None
+
+    assert pgpkg.TAP is None and tap.TAP is None
+    pgpkg.TAP = hook
+    try:
+        assert tap.TAP is hook and pgpkg.TAP is hook
+        assert "TAP" not in vars(pgpkg)
+        assert tap._tapped("world", "barrier", ()) is None
+    finally:
+        pgpkg.TAP = None
+    assert tap.TAP is None
