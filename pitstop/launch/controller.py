@@ -31,6 +31,7 @@ import torch.distributed as dist
 from pitstop import protocol
 from pitstop.errors import PitstopError
 from pitstop.launch.agent import Agent, Proc
+from pitstop.launch.changes import change_event
 from pitstop.launch.events import CHECKPOINTS, CONTROLLER, ROSTER, EventLog, write_private
 from pitstop.launch.nodes import Nodes
 from pitstop.launch.remote import Lookout, RemoteAgents
@@ -1152,64 +1153,22 @@ class Controller:
                 self._complete(ch, float(t))
 
     def _complete(self, ch: Dict[str, Any], t_commit: Optional[float]) -> None:
-        """Write the change's event; ``t_commit`` is None when the job ended before a step after it."""
+        """Write the change's event (:func:`pitstop.launch.changes.change_event` does its
+        arithmetic); ``t_commit`` is None when the job ended before a step after it."""
         g = ch["generation"]
         timings = {}
         for who in [f"r{r}" for r in range(self.spec.world_size)] + ["joiner", "leaver"]:
             t = self.ch.read(keys.timing(g, who), protocol.TIMING)
             if t is not None:
                 timings[who] = t
-        stayers = [v for k, v in timings.items() if k.startswith("r")]
         iters = {}
         for r in range(self.spec.world_size):
             t = self.ch.read(keys.timing(g, f"it{r}"), protocol.TIMING)
             if t is not None:
                 iters[r] = t
-        ready = max([v.get("ready", 0) for v in timings.values()] or [t_commit or 0.0])
-        after = (lambda t0: None if t_commit is None else round(t_commit - t0, 4))
-        ev: Dict[str, Any] = {"role": ch.get("role"), "roles": ch.get("roles", [ch.get("role")]),
-                              "generation": g, "step": ch["step"],
-                              "old": ch.get("old"), "new": ch.get("new"),
-                              "swapped": sum(v.get("swapped", 0) for v in stayers),
-                              "stale_refs": sum(v.get("stale", 0) for v in stayers)}
-        if iters:  # the joiner's first iteration against the stayers' steady one (same step, same job)
-            steady = sorted(v["steady_iter_s"] for r, v in iters.items() if r != ch.get("role") and v.get("steady_iter_s"))
-            first = iters.get(ch.get("role"), {}).get("first_iter_s")
-            ev.update(first_iter_s=first, steady_iter_s=steady[len(steady) // 2] if steady else None,
-                      warm=ch.get("warm"))
-        if ch["kind"] == "unplanned":
-            start = ch["fired"] or ch["detected"]
-            ev.update(
-                detect_s=None if ch["fired"] is None else round(ch["detected"] - ch["fired"], 4),
-                plan_s=round(ch["planned"] - ch["detected"], 4),
-                groups_s=round(max([v.get("groups_s", 0) for v in stayers] or [0]), 4),
-                state_s=round(max([v.get("state_s", 0) for v in stayers] + [timings.get("joiner", {}).get("state_s", 0)]), 4),
-                first_step_s=after(ready),
-                downtime_s=after(start),
-                # from the first discarded step to the first commit after it: 1 at commit_interval 1
-                steps_redone=None if t_commit is None else int(self.committed[1]) - ch["step"] + 1,
-                rebuilt=max([v.get("rebuilt", 0) for v in stayers] or [0]),
-                # the joiner built its model while its groups rendezvoused; then it waited this long for them
-                joiner_built_s=timings.get("joiner", {}).get("built_s"),
-                joiner_attach_wait_s=timings.get("joiner", {}).get("attach_wait_s"),
-                ranks_rebuilding=sum(1 for v in stayers if v.get("groups_s", 0) and v.get("rebuilt")),
-                reason=ch["reason"],
-            )
-            self.events.write("replaced", **ev)
-        elif ch["kind"] == "planned":
-            j = timings.get("joiner", {})
-            ev.update(
-                prepare_s=None if ch.get("ready_at") is None else round(ch["ready_at"] - ch["requested"], 4),
-                pause_s=j.get("pause_s"),
-                groups_s=round(max([v.get("switch_s", 0) for v in stayers] or [0]), 4),
-                state_s=j.get("recv_s"),
-                first_step_s=after(ready),
-            )
-            self.events.write("drained", **ev)
-        else:
-            start = ch["fired"] or ch["detected"]
-            ev.update(downtime_s=after(start), reason=ch["reason"])
-            self.events.write("restarted", **ev)
+        name, ev = change_event(ch, timings, iters, t_commit,
+                                None if self.committed is None else int(self.committed[1]))
+        self.events.write(name, **ev)
 
 
 def start_head_agent(spec: LaunchSpec, token: str, store_spec: str, host: str) -> subprocess.Popen:
