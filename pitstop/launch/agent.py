@@ -106,12 +106,9 @@ class Agent:
         return proc
 
     def wait_exit(self, timeout: float) -> None:
-        """Sleep up to ``timeout`` seconds, less if one of the running processes exits."""
-        fds = [fd for name, fd in self.pidfds.items() if self.procs[name].exit is None]
-        if not fds:
-            select.select([], [], [], timeout)
-            return
-        select.select(fds, [], [], timeout)
+        """Sleep up to ``timeout`` seconds, less if one of the running processes exits (a
+        process's pidfd is closed once :meth:`poll` reported it, so all those left run)."""
+        select.select(list(self.pidfds.values()), [], [], timeout)
 
     def dying(self) -> List[Proc]:
         """Running processes (not yet reported by :meth:`poll`) that are exiting: see :func:`exiting`."""

@@ -147,6 +147,11 @@ class _StoreThread:
     def stop(self) -> None:
         self._stop.set()
 
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to end; whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
         raise NotImplementedError
 
@@ -330,9 +335,8 @@ def _wait_assignment(ch: Channel, slot: int, world: int, pool: Optional[Connecti
     finally:
         if watch is not None:
             watch.stop()
-            if woke.is_set() or a is not None:  # it saw the key: out of its store wait within a loop
-                watch._thread.join(timeout=0.5)
-            if not watch._thread.is_alive():  # not inside a store wait: the connection is free again
+            # it saw the key, so it leaves its store wait within a loop; then the connection is free
+            if (woke.is_set() or a is not None) and watch.join(0.5):
                 pool.give(conn)
 
 
