@@ -5,7 +5,7 @@ and each must point to the same layer or a lower one; no set of modules may impo
 each other in a circle, and neither may pitstop's parts (``pitstop.runtime``,
 ``pitstop.emulation``, ...) taken as wholes. The layers, from the bottom up::
 
-    0  data           errors, layout, roster, plan, protocol (messages, sealing), patches
+    0  data           errors, settings, layout, roster, plan, protocol (messages, sealing), patches
     1  communication  store, pg, groups, the virtual backend (virtual), the tensor-memory
                       tracker (memory), the warmup's records and replay oracle (record)
     2  runtime        the resilience runtime: worker, session, state, sandbox, ...
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Module (or package) -> layer; the longest matching prefix decides.
 LAYERS: Dict[str, int] = {
     "pitstop": 0,
-    "pitstop.errors": 0, "pitstop.layout": 0, "pitstop.roster": 0, "pitstop.plan": 0, "pitstop.protocol": 0,
+    "pitstop.errors": 0, "pitstop.settings": 0, "pitstop.layout": 0, "pitstop.roster": 0, "pitstop.plan": 0, "pitstop.protocol": 0,
     "pitstop.patches": 0,
     "pitstop.store": 1, "pitstop.etcd_store": 1, "pitstop.pg": 1, "pitstop.groups": 1,
     "pitstop.virtual": 1, "pitstop.memory": 1, "pitstop.record": 1,

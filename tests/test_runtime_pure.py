@@ -25,12 +25,12 @@ def test_config_round_trips_through_the_environment():
 @pytest.mark.parametrize("kw, message", [
     ({"heartbeat_interval_s": 5.0, "heartbeat_timeout_s": 2.0}, "5.0 < 2.0 < 120.0"),
     ({"heartbeat_timeout_s": 200.0}, "0.5 < 200.0 < 120.0"),
-    ({"collective_timeout_s": 0}, "collective_timeout_s(0) must be > 0"),
-    ({"save_interval": -1}, "save_interval(-1) must be >= 0"),
-    ({"buddy": "yes"}, "buddy='yes': expected bool"),
-    ({"heartbeat_interval_s": True}, "expected float, got bool"),
-    ({"commit_interval": 0}, "commit_interval(0) must be >= 1"),
-    ({"commit_interval": 2.0}, "commit_interval=2.0: expected int"),
+    ({"collective_timeout_s": 0}, "collective_timeout_s=0: expected a number of seconds > 0"),
+    ({"save_interval": -1}, "save_interval=-1: expected an integer >= 0 (0: never)"),
+    ({"buddy": "yes"}, "buddy='yes': expected true or false, got str"),
+    ({"heartbeat_interval_s": True}, "heartbeat_interval_s=True: expected a number of seconds > 0, got bool"),
+    ({"commit_interval": 0}, "commit_interval=0: expected an integer >= 1 (1: vote at every step)"),
+    ({"commit_interval": 2.0}, "commit_interval=2.0: expected an integer >= 1 (1: vote at every step), got float"),
 ])
 def test_config_errors_name_the_values(kw, message):
     with pytest.raises(ConfigError) as e:
@@ -44,7 +44,7 @@ def test_config_from_mapping_refuses_unknown_keys_by_name():
 
 
 def test_config_from_env_names_the_bad_variable():
-    with pytest.raises(ConfigError, match="PITSTOP_SAVE_INTERVAL='two': expected int"):
+    with pytest.raises(ConfigError, match="PITSTOP_SAVE_INTERVAL='two': expected an integer >= 0"):
         RuntimeConfig.from_env({"PITSTOP_SAVE_INTERVAL": "two"})
 
 

@@ -24,12 +24,12 @@ import base64
 import binascii
 import copy
 import json
-import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
 
 from pitstop.errors import ConfigError
+from pitstop.settings import BY_KEY, SETTINGS, check_all, runtime_fields, type_text
 
 __all__ = ["SECTION", "EmulationSection", "PitstopSection", "parse_section", "load_config",
            "strip_section", "keys_table"]
@@ -52,35 +52,37 @@ class EmulationSection:
     or the path of a topology file."""
 
 
+def _d(key: str):
+    return BY_KEY[key].default
+
+
+#: The settings the section holds (pitstop.settings.SETTINGS rows with ``deepspeed``), in table order.
+_SETTINGS = tuple(s for s in SETTINGS if s.deepspeed)
+
+
 @dataclass(frozen=True)
 class PitstopSection:
-    """The validated ``"pitstop"`` section of a DeepSpeed config (every key optional)."""
+    """The validated ``"pitstop"`` section of a DeepSpeed config (every key optional).
 
-    standby: int = 0
-    """Warm standby processes kept beside the workers (0: none; a failed worker then cannot be replaced
-    in place)."""
-    heartbeat_interval: float = 0.5
-    """Seconds between a worker's heartbeats to the controller."""
-    heartbeat_timeout: float = 5.0
-    """A worker silent this many seconds is hung: it is killed and replaced. Must exceed
-    ``heartbeat_interval``."""
-    collective_timeout: float = 120.0
-    """Timeout in seconds of pitstop's communicators, the last defence against a hang. Must exceed
-    ``heartbeat_timeout``."""
-    buddy: bool = True
-    """Keep a CPU copy of a data-parallel neighbour's ZeRO partition, so a replacement gets its
-    state from a peer."""
-    warmup: bool = True
-    """Record each role class's first iteration and warm standbys with a sandboxed step."""
-    hold_for_warm: float = 0.0
-    """After step 1, hold training up to this many seconds until every standby is warm (0: do not wait)."""
+    Each field but ``emulation`` is a row of :data:`pitstop.settings.SETTINGS` (its default,
+    bound and meaning live there; ``tests/test_settings.py`` holds the two together)."""
+
+    standby: int = _d("standby")
+    heartbeat_interval: float = _d("heartbeat_interval")
+    heartbeat_timeout: float = _d("heartbeat_timeout")
+    collective_timeout: float = _d("collective_timeout")
+    buddy: bool = _d("buddy")
+    warmup: bool = _d("warmup")
+    hold_for_warm: float = _d("hold_for_warm")
     emulation: Optional[EmulationSection] = None
     """Target-scale emulation settings; absent (None) for a normal run."""
-    commit_interval: int = 1
-    """Vote and take the rollback point every K steps (1: every step). Between votes a boundary costs
-    nothing; a failure then redoes the steps since the last vote (at most K, bitwise)."""
+    commit_interval: int = _d("commit_interval")  # after emulation: the field order is public
     given: FrozenSet[str] = field(default=frozenset(), compare=False, repr=False)
     """The keys the config wrote (the rest are defaults)."""
+
+    def settings(self) -> Dict[str, Any]:
+        """The settings' values by key (``emulation`` is not a setting of the table)."""
+        return {s.key: getattr(self, s.key) for s in _SETTINGS}
 
     def runtime_config(self, base: Optional[Any] = None, env: Optional[Mapping[str, str]] = None):
         """This section as the worker runtime's :class:`pitstop.runtime.config.RuntimeConfig`.
@@ -98,18 +100,8 @@ class PitstopSection:
 
         env = os.environ if env is None else env
         base = base if base is not None else RuntimeConfig()
-        mine = {
-            "heartbeat_interval": ("heartbeat_interval_s", float(self.heartbeat_interval)),
-            "heartbeat_timeout": ("heartbeat_timeout_s", float(self.heartbeat_timeout)),
-            "collective_timeout": ("collective_timeout_s", float(self.collective_timeout)),
-            "buddy": ("buddy", self.buddy),
-            "warmup": ("warmup", self.warmup),
-            "hold_for_warm": ("hold_for_warm_s", float(self.hold_for_warm)),
-            "commit_interval": ("commit_interval", self.commit_interval),
-        }
-        over = {name: value for key, (name, value) in mine.items()
-                if key in self.given and "PITSTOP_" + name.upper() not in env}
-        return replace(base, **over)
+        mine = {k: v for k, v in self.settings().items() if k in self.given and BY_KEY[k].env not in env}
+        return replace(base, **runtime_fields(mine))
 
 
 # ---------------------------------------------------------------------------- checks
@@ -117,35 +109,11 @@ def _fmt(v: Any) -> str:
     return repr(v)
 
 
-def _number(path: str, v: Any, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ConfigError(f"{path}={_fmt(v)}: expected {what}, got {type(v).__name__}")
-    if not math.isfinite(v):
-        raise ConfigError(f"{path}={_fmt(v)}: expected {what}, got a non-finite number")
-    return float(v)
-
-
-def _seconds_above(path: str, v: Any, floor: float, floor_name: Optional[str]) -> float:
-    """A number of seconds > floor (> 0 when ``floor_name`` is None)."""
-    what = (f"a number of seconds > {floor_name} ({floor!r})" if floor_name
-            else "a number of seconds > 0")
-    x = _number(path, v, what)
-    if not x > floor:
-        raise ConfigError(f"{path}={_fmt(v)}: expected {what}")
-    return x
-
-
 def _int(path: str, v: Any, lo: int, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ConfigError(f"{path}={_fmt(v)}: expected {what}, got {type(v).__name__}")
     if v < lo:
         raise ConfigError(f"{path}={_fmt(v)}: expected {what}")
-    return v
-
-
-def _bool(path: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(f"{path}={_fmt(v)}: expected true or false, got {type(v).__name__}")
     return v
 
 
@@ -198,31 +166,14 @@ def _parse_emulation(path: str, v: Any) -> EmulationSection:
 
 
 def parse_section(values: Optional[Mapping[str, Any]], path: str = SECTION) -> PitstopSection:
-    """Validate the ``"pitstop"`` section (``None`` or ``{}``: every default)."""
+    """Validate the ``"pitstop"`` section (``None`` or ``{}``: every default), with the rows of
+    :data:`pitstop.settings.SETTINGS`: in table order, the timeouts each above the one before."""
     if values is None:
         return PitstopSection()
     values = _mapping(path, values)
     _unknown(path, values, _SECTION_KEYS)
-    d = PitstopSection()
-    kw: Dict[str, Any] = {}
-    kw["standby"] = _int(f"{path}.standby", values.get("standby", d.standby), 0, "an integer >= 0")
-    # The three timeouts in order: each must exceed the one before.
-    hi = kw["heartbeat_interval"] = _seconds_above(
-        f"{path}.heartbeat_interval", values.get("heartbeat_interval", d.heartbeat_interval), 0.0, None)
-    ht = kw["heartbeat_timeout"] = _seconds_above(
-        f"{path}.heartbeat_timeout", values.get("heartbeat_timeout", d.heartbeat_timeout), hi,
-        f"{path}.heartbeat_interval")
-    kw["collective_timeout"] = _seconds_above(
-        f"{path}.collective_timeout", values.get("collective_timeout", d.collective_timeout), ht,
-        f"{path}.heartbeat_timeout")
-    kw["buddy"] = _bool(f"{path}.buddy", values.get("buddy", d.buddy))
-    kw["warmup"] = _bool(f"{path}.warmup", values.get("warmup", d.warmup))
-    hw = values.get("hold_for_warm", d.hold_for_warm)
-    kw["hold_for_warm"] = _number(f"{path}.hold_for_warm", hw, "a number of seconds >= 0 (0: do not wait)")
-    if kw["hold_for_warm"] < 0:
-        raise ConfigError(f"{path}.hold_for_warm={_fmt(hw)}: expected a number of seconds >= 0 (0: do not wait)")
-    kw["commit_interval"] = _int(f"{path}.commit_interval", values.get("commit_interval", d.commit_interval), 1,
-                                 "an integer >= 1 (1: vote at every step)")
+    full = {s.key: values.get(s.key, s.default) for s in _SETTINGS}
+    kw: Dict[str, Any] = check_all(full, where=lambda s: f"{path}.{s.key}", keys=_SETTINGS)
     if values.get("emulation") is not None:
         kw["emulation"] = _parse_emulation(f"{path}.emulation", values["emulation"])
     return PitstopSection(**kw, given=frozenset(values))
@@ -377,14 +328,6 @@ def _refuse_lookalikes(data: Mapping[str, Any]) -> None:
 
 # ---------------------------------------------------------------------- documentation
 _TYPES = {
-    "standby": "int >= 0",
-    "heartbeat_interval": "float > 0, s",
-    "heartbeat_timeout": "float, s",
-    "collective_timeout": "float, s",
-    "buddy": "bool",
-    "warmup": "bool",
-    "hold_for_warm": "float >= 0, s",
-    "commit_interval": "int >= 1",
     "emulation": "object",
     "emulation.world_size": "int >= 1",
     "emulation.real_ranks": "list of int",
@@ -416,14 +359,13 @@ def _default(v: Any) -> str:
 
 
 def keys_table() -> str:
-    """A markdown table of every key (key, type, default, meaning), for the README."""
+    """A markdown table of every key (key, type, default, meaning), for the README: the
+    settings' rows from :data:`pitstop.settings.SETTINGS`, then ``emulation``'s."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    d = PitstopSection()
-    for f in fields(PitstopSection):
-        if f.name == "given":  # bookkeeping, not a key
-            continue
-        rows.append(f"| `{SECTION}.{f.name}` | {_TYPES[f.name]} | {_default(getattr(d, f.name))} | "
-                    f"{_doc(PitstopSection, f.name)} |")
+    for st in _SETTINGS:
+        rows.append(f"| `{SECTION}.{st.key}` | {type_text(st)} | {_default(st.default)} | {st.describe} |")
+    rows.append(f"| `{SECTION}.emulation` | {_TYPES['emulation']} | absent | "
+                f"{_doc(PitstopSection, 'emulation')} |")
     for f in fields(EmulationSection):
         default = "required" if f.default is MISSING else _default(f.default)
         rows.append(f"| `{SECTION}.emulation.{f.name}` | {_TYPES['emulation.' + f.name]} | {default} | "

@@ -364,50 +364,26 @@ def add_pitstop_args(parser):
     """Megatron-LM ``extra_args_provider``: ``--pitstop-*`` flags for the worker runtime.
 
     Pass it as ``pretrain(..., extra_args_provider=add_pitstop_args)`` (or call it on
-    your own parser). Defaults come from the environment that ``pitstop launch``
-    sets, so the flags only override. :func:`runtime_config` turns the parsed
-    arguments into a validated :class:`~pitstop.runtime.config.RuntimeConfig`.
+    your own parser). The flags are generated from :data:`pitstop.settings.SETTINGS`, as
+    ``pitstop launch``'s and the DeepSpeed section's keys are. Defaults come from the
+    environment that ``pitstop launch`` sets, so the flags only override.
+    :func:`runtime_config` turns the parsed arguments into a validated
+    :class:`~pitstop.runtime.config.RuntimeConfig`.
     """
     from pitstop.runtime.config import RuntimeConfig
+    from pitstop.settings import add_flags
 
-    env = RuntimeConfig.from_env()
     g = parser.add_argument_group("pitstop", "standby replacement and drain (see `pitstop launch --help`)")
-    g.add_argument("--pitstop-heartbeat-interval", type=float, default=env.heartbeat_interval_s, metavar="S",
-                   help="seconds between heartbeats (default %(default)s)")
-    g.add_argument("--pitstop-heartbeat-timeout", type=float, default=env.heartbeat_timeout_s, metavar="S",
-                   help="a worker silent this long is hung and replaced (default %(default)s)")
-    g.add_argument("--pitstop-collective-timeout", type=float, default=env.collective_timeout_s, metavar="S",
-                   help="timeout of pitstop's communicators (default %(default)s)")
-    g.add_argument("--pitstop-no-buddy", dest="pitstop_buddy", action="store_false", default=env.buddy,
-                   help="do not keep a CPU buddy copy of the neighbour's optimizer shard")
-    g.add_argument("--pitstop-save-interval", type=int, default=env.save_interval, metavar="K",
-                   help="dist_checkpointing save every K steps, the no-standby fallback (0: off)")
-    g.add_argument("--pitstop-save-dir", default=env.save_dir, metavar="DIR", help="checkpoint directory")
-    g.add_argument("--pitstop-no-warmup", dest="pitstop_warmup", action="store_false", default=env.warmup,
-                   help="no record of iteration 1, no sandboxed standby warmup (standbys join cold)")
-    g.add_argument("--pitstop-hold-for-warm", type=float, default=env.hold_for_warm_s, metavar="S",
-                   help="after step 1, hold training up to S s until every standby is warm (default %(default)s)")
-    g.add_argument("--pitstop-commit-interval", type=int, default=env.commit_interval, metavar="K",
-                   help="vote and take the rollback point every K steps; a failure redoes at most K steps "
-                        "(default %(default)s)")
+    add_flags(g, script=True, defaults=RuntimeConfig.from_env().settings())
     return parser
 
 
 def runtime_config(args) -> "Any":
     """The validated runtime settings of parsed ``--pitstop-*`` flags (errors name the flag's value)."""
     from pitstop.runtime.config import RuntimeConfig
+    from pitstop.settings import given_flags, runtime_fields
 
-    return RuntimeConfig(
-        heartbeat_interval_s=args.pitstop_heartbeat_interval,
-        heartbeat_timeout_s=args.pitstop_heartbeat_timeout,
-        collective_timeout_s=args.pitstop_collective_timeout,
-        buddy=args.pitstop_buddy,
-        save_interval=args.pitstop_save_interval,
-        save_dir=args.pitstop_save_dir,
-        warmup=args.pitstop_warmup,
-        hold_for_warm_s=args.pitstop_hold_for_warm,
-        commit_interval=args.pitstop_commit_interval,
-    )
+    return RuntimeConfig(**runtime_fields(given_flags(args, script=True)))
 
 
 def init_distributed(config=None, warmup=None):

@@ -25,10 +25,6 @@ def _seconds(text: str) -> float:
     return _number(text, positive=True)
 
 
-def _seconds0(text: str) -> float:
-    return _number(text, positive=False)
-
-
 def _number(text: str, positive: bool) -> float:
     import math
 
@@ -82,8 +78,6 @@ def _parser(more: Optional[Callable] = None) -> argparse.ArgumentParser:
     la.add_argument("--local-addr", default=None, metavar="ADDR",
                     help="this machine's address: its processes' gloo groups listen there (default: the "
                          "--rdzv-endpoint host on the head, 127.0.0.1 otherwise)")
-    la.add_argument("--standby", type=_count(0), default=None, help="warm standby processes (default 0, or the "
-                    "DeepSpeed config's pitstop.standby)")
     la.add_argument("--max-restarts", type=_count(0), default=3,
                     help="full restarts (checkpoint fallback or from scratch) before the job is given up (default 3; "
                          "replacements and drains do not count)")
@@ -96,22 +90,11 @@ def _parser(more: Optional[Callable] = None) -> argparse.ArgumentParser:
     la.add_argument("--resume", action="store_true",
                     help="re-attach a controller to the etcd-backed job of --run-dir (its workers still running)")
     la.add_argument("--run-dir", default="runs/latest", help="logs, events.jsonl, roster.json (default runs/latest)")
-    la.add_argument("--heartbeat-interval", type=_seconds, default=None, metavar="S", help="default 0.5")
-    la.add_argument("--heartbeat-timeout", type=_seconds, default=None, metavar="S", help="default 5.0")
-    la.add_argument("--collective-timeout", type=_seconds, default=None, metavar="S", help="default 120.0")
-    la.add_argument("--no-buddy", action="store_const", const=True, default=None,
-                    help="no CPU buddy copy of optimizer shards")
-    la.add_argument("--no-warmup", action="store_const", const=True, default=None,
-                    help="no record of iteration 1 and no sandboxed warmup: standbys join cold")
-    la.add_argument("--hold-for-warm", type=_seconds0, default=None, metavar="S",
-                    help="after step 1, hold training up to S seconds until every standby is warm (default 0: don't)")
-    la.add_argument("--save-interval", type=_count(0), default=None, metavar="K",
-                    help="dist_checkpointing save every K steps: the fallback when no standby is left (0: off)")
-    la.add_argument("--commit-interval", type=_count(1), default=None, metavar="K",
-                    help="vote and take the rollback point every K steps: the boundaries between cost nothing, "
-                         "a failure redoes at most K steps, bitwise (default 1)")
-    la.add_argument("--save-dir", default=None, metavar="DIR",
-                    help="where checkpoints go (default <run-dir>/checkpoints)")
+    from pitstop.settings import add_flags
+
+    add_flags(la.add_argument_group(
+        "settings", "the same as the script's --pitstop-* flags and the DeepSpeed config's \"pitstop\" keys; "
+                    "strongest first: these flags, the script's flags, the DeepSpeed section, the default"))
     la.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
 
     dr = sub.add_parser("drain", help="move a rank (or every rank of a host) to a standby, training on")
@@ -342,6 +325,7 @@ def launch_spec(args):
 
     from pitstop.launch.controller import LaunchSpec
     from pitstop.runtime.config import RuntimeConfig
+    from pitstop.settings import BY_KEY, SETTINGS, given_flags, runtime_fields
 
     script = list(args.script)
     if script and script[0] == "--":
@@ -350,23 +334,19 @@ def launch_spec(args):
         raise PitstopError("no training script given: pitstop launch [options] -- SCRIPT ARGS...")
     if args.nproc_per_node is None:
         raise PitstopError("pitstop launch: --nproc-per-node N is required (workers on this machine)")
-    given = {k: getattr(args, k) for k in _LAUNCH_DEFAULTS if getattr(args, k, None) is not None}
+    given = given_flags(args)
     from_script = _script_flags(script[1:])
     for k, val in from_script.items():
         if k in given and given[k] != val:
+            s = BY_KEY[k]
             raise PitstopError(
-                f"the training script's {_SCRIPT_FLAG[k]} {_show(val)} and pitstop launch's --{k.replace('_', '-')} "
+                f"the training script's {s.flag(script=True)} {_show(val)} and pitstop launch's {s.flag()} "
                 f"{_show(given[k])} disagree: the controller and the workers must use one value; give it once, "
                 "to pitstop launch")
     section = _deepspeed_section(script[1:])
-    base = _section_flags(section) if section is not None else {}  # the DeepSpeed config's "pitstop" section
-    v = {**_LAUNCH_DEFAULTS, **base, **from_script, **given}
-    cfg = RuntimeConfig(
-        heartbeat_interval_s=v["heartbeat_interval"], heartbeat_timeout_s=v["heartbeat_timeout"],
-        collective_timeout_s=v["collective_timeout"], buddy=not v["no_buddy"], warmup=not v["no_warmup"],
-        hold_for_warm_s=v["hold_for_warm"], save_interval=v["save_interval"], save_dir=v["save_dir"],
-        commit_interval=v["commit_interval"],
-    )
+    base = section.settings() if section is not None else {}  # the DeepSpeed config's "pitstop" section
+    v = {**{s.key: s.default for s in SETTINGS}, **base, **from_script, **given}
+    cfg = RuntimeConfig(**runtime_fields(v))
 
     from pitstop.launch.nodes import Nodes, from_slurm
 
@@ -383,44 +363,26 @@ def launch_spec(args):
 
 
 def _show(v) -> str:
-    return "(set)" if v is True else repr(v) if isinstance(v, str) else str(v)
-
-
-#: `pitstop launch` settings, by flag dest, with their defaults. A DeepSpeed config's "pitstop"
-#: section gives some of them; the script's --pitstop-* flags any of them but the standby count.
-_LAUNCH_DEFAULTS = {"standby": 0, "heartbeat_interval": 0.5, "heartbeat_timeout": 5.0, "collective_timeout": 120.0,
-                    "no_buddy": False, "no_warmup": False, "hold_for_warm": 0.0, "save_interval": 0, "save_dir": "",
-                    "commit_interval": 1}
-#: The script's flag (pitstop.integrations.megatron.add_pitstop_args) of each launch setting.
-_SCRIPT_FLAG = {"heartbeat_interval": "--pitstop-heartbeat-interval", "heartbeat_timeout": "--pitstop-heartbeat-timeout",
-                "collective_timeout": "--pitstop-collective-timeout", "no_buddy": "--pitstop-no-buddy",
-                "no_warmup": "--pitstop-no-warmup", "hold_for_warm": "--pitstop-hold-for-warm",
-                "save_interval": "--pitstop-save-interval", "save_dir": "--pitstop-save-dir",
-                "commit_interval": "--pitstop-commit-interval"}
+    return repr(v) if isinstance(v, str) else str(v)
 
 
 def _script_flags(script_args: List[str]) -> dict:
-    """The ``--pitstop-*`` flags given explicitly in the training script's arguments, as launch
-    settings (``{"heartbeat_timeout": 3.0, "no_buddy": True, ...}``). Parsed with the same
-    definitions the script uses (``add_pitstop_args``), so both read one value the same way."""
-    from pitstop.integrations.megatron import add_pitstop_args
+    """The ``--pitstop-*`` flags given explicitly in the training script's arguments, as
+    settings by key (``{"heartbeat_timeout": 3.0, "buddy": False, ...}``). Parsed with the
+    flags the script has (:func:`pitstop.settings.add_flags`, which ``add_pitstop_args``
+    calls), so both read one value the same way; with no defaults, so only what was given."""
+    from pitstop.settings import add_flags, given_flags
 
     p = argparse.ArgumentParser(prog="the training script's --pitstop-* flags", add_help=False, exit_on_error=False,
                                 allow_abbrev=False)
-    add_pitstop_args(p)
-    for a in p._actions:  # only what the script's arguments say (not set_defaults: argparse would parse the marker)
-        a.default = argparse.SUPPRESS
+    add_flags(p, script=True)
     try:
         ns, _ = p.parse_known_args(script_args)
     except argparse.ArgumentError as exc:
         raise PitstopError(f"the training script's {exc}") from None
-    got = vars(ns)
-    out = {}
-    for dest, flag in _SCRIPT_FLAG.items():
-        key = {"no_buddy": "pitstop_buddy", "no_warmup": "pitstop_warmup"}.get(dest, "pitstop_" + dest)
-        if key in got:
-            out[dest] = (not got[key]) if dest.startswith("no_") else got[key]
-    return out
+    return given_flags(ns, script=True)
+
+
 #: Where a training script takes its DeepSpeed config (DeepSpeed's own flag, and examples/train_deepspeed.py's).
 _DS_CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config", "--deepscale_config")
 
@@ -437,13 +399,6 @@ def _deepspeed_section(script_args: List[str]):
             refuse_unsupported(data)
             return section
     return None
-
-
-def _section_flags(section) -> dict:
-    return {"standby": section.standby, "heartbeat_interval": section.heartbeat_interval,
-            "heartbeat_timeout": section.heartbeat_timeout, "collective_timeout": section.collective_timeout,
-            "no_buddy": not section.buddy, "no_warmup": not section.warmup, "hold_for_warm": section.hold_for_warm,
-            "commit_interval": section.commit_interval}
 
 
 #: Parallel-degree flags of Megatron-LM and of examples/train_gpt.py, by layout field.

@@ -15,63 +15,36 @@ from dataclasses import dataclass, fields
 from typing import Dict, Mapping, Optional
 
 from pitstop.errors import ConfigError
+from pitstop.settings import BY_FIELD, BY_KEY, check_all
 
-_ENV_PREFIX = "PITSTOP_"
+
+def _d(field: str):
+    return BY_FIELD[field].default
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """What a pitstop worker needs to know besides its role."""
+    """What a pitstop worker needs to know besides its role.
 
-    heartbeat_interval_s: float = 0.5
-    """How often a worker tells the controller it is alive."""
-    heartbeat_timeout_s: float = 5.0
-    """A worker silent this long is hung (e.g. SIGSTOP) and is treated as failed."""
-    collective_timeout_s: float = 120.0
-    """Timeout of every pitstop communicator; the last line of defence against a hang."""
-    buddy: bool = True
-    """Keep a CPU copy of a data-parallel neighbour's distributed-optimizer shard."""
-    save_interval: int = 0
-    """Save a Megatron dist_checkpointing checkpoint every K steps (0: never); the
-    fallback when no standby is left."""
-    save_dir: str = ""
-    """Where checkpoints go (default: ``<run-dir>/checkpoints``)."""
-    warmup: bool = True
-    """Record each role class's first iteration at job start, and let standbys run a
-    sandboxed iteration of every stage kind from those records before they are needed."""
-    hold_for_warm_s: float = 0.0
-    """After the recorded first step, hold training up to this long until every standby
-    has finished its warmup (0: do not wait). For jobs that must not lose a worker to a
-    cold standby, and for deterministic tests and benchmarks."""
-    commit_interval: int = 1
-    """Vote, take the rollback point and exchange the buddy copy every K steps, not every
-    step. The boundaries in between cost nothing (no store, no copy); the price is a
-    bounded rollback: a failure discards the steps since the last vote, at most K, and
-    they are redone (bitwise, so the loss curve does not change). See :meth:`votes_at`."""
+    The fields are the rows of :data:`pitstop.settings.SETTINGS` that the worker uses: their
+    defaults, bounds, order and meaning live there (``tests/test_settings.py`` holds the two
+    together), and :meth:`__post_init__` checks with the same rows as every front door."""
+
+    heartbeat_interval_s: float = _d("heartbeat_interval_s")
+    heartbeat_timeout_s: float = _d("heartbeat_timeout_s")
+    collective_timeout_s: float = _d("collective_timeout_s")
+    buddy: bool = _d("buddy")
+    save_interval: int = _d("save_interval")
+    save_dir: str = _d("save_dir")
+    warmup: bool = _d("warmup")
+    hold_for_warm_s: float = _d("hold_for_warm_s")
+    commit_interval: int = _d("commit_interval")
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            want = {"float": (int, float), "int": (int,), "bool": (bool,), "str": (str,)}[f.type if isinstance(f.type, str) else f.type.__name__]
-            if isinstance(v, bool) and f.type != "bool":
-                raise ConfigError(f"{f.name}={v!r}: expected {f.type}, got bool")
-            if not isinstance(v, want):
-                raise ConfigError(f"{f.name}={v!r}: expected {f.type}, got {type(v).__name__}")
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}({getattr(self, name)}) must be > 0")
-        if not self.heartbeat_interval_s < self.heartbeat_timeout_s < self.collective_timeout_s:
-            raise ConfigError(
-                "timeouts must be ordered heartbeat_interval_s < heartbeat_timeout_s < "
-                f"collective_timeout_s, got {self.heartbeat_interval_s} < {self.heartbeat_timeout_s} "
-                f"< {self.collective_timeout_s}"
-            )
-        if self.hold_for_warm_s < 0:
-            raise ConfigError(f"hold_for_warm_s({self.hold_for_warm_s}) must be >= 0 (0: do not wait)")
-        if self.save_interval < 0:
-            raise ConfigError(f"save_interval({self.save_interval}) must be >= 0 (0 disables checkpoints)")
-        if self.commit_interval < 1:
-            raise ConfigError(f"commit_interval({self.commit_interval}) must be >= 1 (1: vote at every step)")
+        values = {BY_FIELD[f.name].key: getattr(self, f.name) for f in fields(self)}
+        checked = check_all(values, where=lambda s: s.field)
+        for f in fields(self):  # an int given for a float is kept as the float it means
+            object.__setattr__(self, f.name, checked[BY_FIELD[f.name].key])
 
     # ------------------------------------------------------------------ the vote schedule
     def votes_at(self, step: int, last: int) -> bool:
@@ -100,16 +73,16 @@ class RuntimeConfig:
     # ------------------------------------------------------------------ environment
     def to_env(self) -> Dict[str, str]:
         """``PITSTOP_HEARTBEAT_INTERVAL_S=0.5`` ... for the launcher to pass on."""
-        return {_ENV_PREFIX + f.name.upper(): _fmt(getattr(self, f.name)) for f in fields(self)}
+        return {BY_FIELD[f.name].env: _fmt(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "RuntimeConfig":
         env = os.environ if env is None else env
         kw = {}
         for f in fields(cls):
-            key = _ENV_PREFIX + f.name.upper()
-            if key in env:
-                kw[f.name] = _parse(key, env[key], f.type if isinstance(f.type, str) else f.type.__name__)
+            s = BY_FIELD[f.name]
+            if s.env in env:
+                kw[f.name] = s.from_text(env[s.env], s.env)
         return cls(**kw)
 
     @classmethod
@@ -121,19 +94,10 @@ class RuntimeConfig:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known keys are {', '.join(sorted(known))}")
         return cls(**values)  # type: ignore[arg-type]
 
+    def settings(self) -> Dict[str, object]:
+        """These values by setting key (``heartbeat_timeout``), as the other front doors name them."""
+        return {BY_FIELD[f.name].key: getattr(self, f.name) for f in fields(self)}
+
 
 def _fmt(v: object) -> str:
     return ("1" if v else "0") if isinstance(v, bool) else str(v)
-
-
-def _parse(key: str, text: str, typ: str):
-    try:
-        if typ == "bool":
-            if text.lower() in ("1", "true", "yes"):
-                return True
-            if text.lower() in ("0", "false", "no", ""):
-                return False
-            raise ValueError(text)
-        return {"float": float, "int": int, "str": str}[typ](text)
-    except ValueError:
-        raise ConfigError(f"{key}={text!r}: expected {typ}") from None
