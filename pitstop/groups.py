@@ -192,6 +192,22 @@ class GroupRegistry:
         digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:10]
         return f"{self.prefix}:g{gen}:{kind}{suffix}:{digest}"
 
+    def _publish(self, entries) -> None:
+        """Give the installed groups of ``entries`` their stable c10d names (``pitstop:tp``,
+        ``pitstop:tp+gloo``): the same in every generation and in a standby's warmup sandbox,
+        so code that ``torch.compile`` traced with one generation's group runs with the
+        next one's (dynamo guards on ``group_name``). Called once the groups they replace
+        are unregistered; a name another live group holds (a second registry in one
+        process) is left as the generation's unique name."""
+        for e in entries:
+            if e.how == "alias":
+                continue
+            kind = e.key[0]
+            for g, suffix in ((e.group, ""), (e.gloo, "+gloo")):
+                if g is not None and not (suffix and g is e.group):
+                    if not pgmod.rename(g, f"{self.prefix}:{kind}{suffix}"):
+                        log.debug("%s group %s keeps its name %s", tag(self.generation, self.rank), kind, g.group_name)
+
     def _store_for(self, gen: int, base: Optional[dist.Store] = None) -> dist.Store:
         """The generation's prefix; inside a pitstop job its values are sealed with the job
         token (:func:`pitstop.store.sealed`), so junk cannot redirect a rendezvous."""
@@ -257,11 +273,13 @@ class GroupRegistry:
             # client stays free (a c10d client serialises every call behind a blocking wait)
             self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation,
                               self._entries, deferred=self._deferred)
+            self._publish(self._entries.values())
             self._builder = threading.Thread(target=self._run_deferred, name=f"pitstop-groups-g{self.generation}",
                                              daemon=True)
             self._builder.start()
             return
         self._build_kinds(set(self.layout.groups_of(self.rank)) | set(comm_kinds(self.layout)), self.generation, self._entries)
+        self._publish(self._entries.values())
         if self.backend != VIRTUAL:  # a virtual group never rendezvouses
             t0 = time.perf_counter()
             made = self.connections.reserve(1)
@@ -466,6 +484,7 @@ class GroupRegistry:
         for e in old.values():
             self._destroy_entry(e, retire=True)
         self.generation = pending.new_generation
+        self._publish(pending.entries.values())
         report = ReplaceReport(pending.role, self.generation, seconds=pending.seconds + time.perf_counter() - t0)
         for k, e in self._entries.items():
             (report.rebuilt if k in pending.entries else report.kept).append(e.key)

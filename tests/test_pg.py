@@ -75,6 +75,27 @@ def test_world_group_composites_and_bad_replace(job, tmp_path):
         assert res["after_destroy_dp_sum"] == 2.0
 
 
+@pytest.mark.timeout(180)
+def test_compiled_code_survives_a_replacement_because_group_names_are_stable(job, tmp_path):
+    """``torch.compile`` guards a collective on its group's ``group_name``. Each generation's
+    groups are built under unique names (their store keys must not collide) and installed
+    under stable ones (``pitstop:tp``), so a rebuilt group, and a joiner's group against the
+    one it compiled with before, pass the guard: one graph per rank, no recompile, and the
+    collective runs on the new communicator."""
+    world = 4
+    ctx = job.start("pg-compiled", [WORKER, str(tmp_path), "compiled-replace"], range(world), world)
+    wait_done(job, ctx, timeout=160)
+    res = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(world)]
+    for r, x in enumerate(res):
+        assert x["names"] == ["pitstop:tp", "pitstop:tp"], x
+        assert x["resolves"] is True, x
+        assert x["graphs"] == 1, f"rank {r} recompiled: {x}"
+        assert x["uid"].startswith("pitstop:g1:tp:" if r in (2, 3) else "pitstop:g0:tp:"), x
+        pair = (0, 1) if r < 2 else (2, 3)
+        assert x["sums"] == [sum(2.0 * (p + 1) for p in pair) + 1, sum(20.0 * (p + 1) for p in pair) + 1], x
+    assert [res[r].get("tp_rebuilt") for r in range(3)] == [False, False, True]
+
+
 @pytest.mark.timeout(120)
 def test_background_prepare_does_not_wait_behind_the_training_threads_store_call(job, tmp_path):
     """The cause of a drain that hung for 120 s: a c10d TCPStore client holds its lock for

@@ -53,18 +53,30 @@ def fuzz_store(host: str, port: int, seconds: float, seed: int = 0, period_s: fl
     """Write junk onto every key of ``keys.all_patterns()`` for ``seconds`` (bounded, then stops).
 
     Values already in the store are read first and replayed onto other keys, or back
-    onto their own key later (a stale heartbeat). Returns how many writes of each kind."""
+    onto their own key later (a stale heartbeat). Returns how many writes of each kind.
+
+    Each round writes the next 40 keys of one shuffled order of every name, so every key
+    gets junk once in each sweep of ``len(names) / 40`` rounds (about a second here): which
+    keys were hit does not depend on the luck of a random sample, only on how long the
+    fuzzer runs (``sweeps`` counts the full passes)."""
     import torch.distributed as dist
 
     st = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
     rng = random.Random(seed)
     names = keys.all_patterns()
     stolen: List[bytes] = []
-    counts = {"writes": 0, "replays": 0, "rounds": 0}
+    counts = {"writes": 0, "replays": 0, "rounds": 0, "sweeps": 0}
+    order = rng.sample(names, len(names))
+    at = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
         try:
-            for k in rng.sample(names, min(len(names), 40)):
+            chunk = order[at:at + 40]
+            at += len(chunk)
+            if at >= len(order):
+                at = 0
+                counts["sweeps"] += 1
+            for k in chunk:
                 if st.check([k]):
                     v = st.get(k)
                     if v.startswith(b"ps1.") and len(stolen) < 200:

@@ -16,6 +16,7 @@ run on the same noisy machine.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -30,10 +31,50 @@ def _job(d: Path, steps: int, warm: bool, compile_: bool) -> JobResult:
     fault = Fault.kill(rank=ROLE).at(step=3, phase="forward")
     return run_job(d, steps, standby=1, faults=fault.spec(), timeout=1800,
                    launch_args=["--hold-for-warm", "1200"] if warm else ["--no-warmup"],
-                   script_args=["--compile"] if compile_ else [])
+                   script_args=["--compile"] if compile_ else [],
+                   env={"TORCH_LOGS": "recompiles"} if compile_ else None)
 
 
-def _summary(cold: JobResult, warm: JobResult) -> Dict[str, Any]:
+#: dynamo's recompile line (``TORCH_LOGS=recompiles``): glog's date and time, the pid, the function.
+_RECOMPILE = re.compile(r"[VIWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d(?:\.\d+)?) +(\d+) .*\[__recompiles\] "
+                        r"Recompiling function (\S+)")
+
+
+def recompiles_after(run_dir: Path, t: float, joiner_pid: Optional[int]) -> Dict[str, Any]:
+    """dynamo's recompiles that a job's processes logged after time ``t`` (the failure), the
+    joiner's (``joiner_pid``) apart from the stayers'. A recompile there is compilation on
+    the replacement's critical path: a guard that the new groups or the joiner's own state
+    failed (before groups had stable names, every one on ``group_name``)."""
+    import datetime
+
+    year = datetime.datetime.fromtimestamp(t).year
+    joiner, stayers, where = 0, 0, []
+    for log in sorted((run_dir / "logs").glob("*/*/attempt_*/*/stderr.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            m = _RECOMPILE.search(line)
+            if m is None:
+                continue
+            mo, d, h, mi, sec, pid, fn = m.groups()
+            when = datetime.datetime(year, int(mo), int(d), int(h), int(mi)).timestamp() + float(sec)
+            if when <= t:
+                continue
+            if joiner_pid is not None and int(pid) == joiner_pid:
+                joiner += 1
+            else:
+                stayers += 1
+            where.append(f"{log.relative_to(run_dir / 'logs').parts[0]}: {fn}")
+    return {"joiner": joiner, "stayers": stayers, "functions": where[:10]}
+
+
+def _pid(proc: Any) -> Optional[int]:
+    """The pid of a ``replaced`` event's ``new`` process (``host:pid``)."""
+    try:
+        return int(str(proc).rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _summary(cold: JobResult, warm: JobResult, compiled: bool = False) -> Dict[str, Any]:
     def first(res: JobResult) -> Dict[str, Any]:
         ev = res.of("replaced")
         return ev[0] if ev else {}
@@ -52,6 +93,9 @@ def _summary(cold: JobResult, warm: JobResult) -> Dict[str, Any]:
     steady = jw.get("median_iter_s")
 
     worker_rss = [s.get("rss_bytes") for s in warm.stats if s.get("rss_bytes")]
+    failed = warm.of("failure")
+    recompiles = (recompiles_after(warm.run_dir, failed[0]["time"], _pid(w.get("new")))
+                  if compiled and failed else None)
     return {
         "steady_iter_s": steady,
         "cold_first_iter_s": jc.get("first_iter_s"),
@@ -68,6 +112,7 @@ def _summary(cold: JobResult, warm: JobResult) -> Dict[str, Any]:
         "downtime_warm_s": w.get("downtime_s"),
         "state_cold_s": c.get("state_s"),
         "state_warm_s": w.get("state_s"),
+        "recompiles_after_failure": recompiles,
         "ok": cold.code == 0 and warm.code == 0 and bool(c) and bool(w),
     }
 
@@ -83,6 +128,6 @@ def bench_warmup(steps: int = 20, run_dir: str = "runs/bench-warmup", modes: Lis
         compiled = mode == "compiled"
         cold = _job(base / f"{mode}-cold", steps, warm=False, compile_=compiled)
         warm = _job(base / f"{mode}-warm", steps, warm=True, compile_=compiled)
-        out[mode] = _summary(cold, warm)
+        out[mode] = _summary(cold, warm, compiled)
     out["run_dir"] = str(base)
     return out

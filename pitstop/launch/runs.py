@@ -59,17 +59,19 @@ class JobResult:
 
 def run_job(run_dir: Path, steps: int, standby: int = 0, faults: str = "", launch_args: Optional[List[str]] = None,
             during: Optional[Callable[[Path], None]] = None, timeout: float = 600,
-            script_args: Optional[List[str]] = None, nproc: int = 8, gpt: Optional[List[str]] = None) -> JobResult:
+            script_args: Optional[List[str]] = None, nproc: int = 8, gpt: Optional[List[str]] = None,
+            env: Optional[Dict[str, str]] = None) -> JobResult:
     """Launch, optionally act on the running job (``during(run_dir)``), wait for the end.
-    ``gpt`` replaces the default script and layout (``GPT``)."""
+    ``gpt`` replaces the default script and layout (``GPT``); ``env`` adds to the job's
+    environment (``TORCH_LOGS``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     loss_file = run_dir / "loss.jsonl"
     cmd = PITSTOP + ["launch", "--nproc-per-node", str(nproc), "--standby", str(standby), "--run-dir", str(run_dir)]
     cmd += (launch_args or []) + ["--"] + (gpt or GPT) + ["--steps", str(steps), "--loss-file", str(loss_file)] \
         + _data_cache(gpt or GPT, run_dir) + (script_args or [])
-    env = dict(os.environ, PITSTOP_FAULT=faults)
+    job_env = dict(os.environ, **(env or {}), PITSTOP_FAULT=faults)
     with open(run_dir / "launcher.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env, stdout=log, stderr=subprocess.STDOUT)
         try:
             if during is not None:
                 during(run_dir)

@@ -31,7 +31,7 @@ from pitstop.pg.fence import (  # noqa: F401
     Fence, FENCE, _P2P, _WAIT_IN_THREAD, _wait_into, GuardedWork, _forward, GuardedGroup, _tensors, RELEASE_WAIT_S, _until_released, _outputs,
 )
 from pitstop.pg.create import (  # noqa: F401
-    new_comm, register_python_group, _register_pg_in_world_compat, GRAVEYARD, destroy,
+    new_comm, register_python_group, _register_pg_in_world_compat, GRAVEYARD, destroy, rename,
 )
 from pitstop.pg.world import (  # noqa: F401
     WORLD_BACKEND, _reduce, _tensor, _raw, StoreWorldGroup, _world_creator, init_world, world_connections, world_group,

@@ -31,6 +31,8 @@ class CompositeGroup(dist.ProcessGroup):
         self.inner = inner
         self.outer = outer
         self._name = name
+        self.public: Optional[str] = None
+        """The stable name c10d knows the group by, once renamed (see :class:`GuardedGroup`)."""
         self._me = me
         self._ranks = sorted(ranks)
         self._order: Optional[List[Tuple[int, int]]] = None
@@ -44,6 +46,10 @@ class CompositeGroup(dist.ProcessGroup):
 
     @property
     def group_name(self) -> str:  # c10d's own setter keeps it on backends, which we have none of
+        return self.public or self._name
+
+    @property
+    def uid(self) -> str:
         return self._name
 
     def allreduce(self, tensors, opts=None):

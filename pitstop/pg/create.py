@@ -105,6 +105,40 @@ def _register_pg_in_world_compat(pg: dist.ProcessGroup, name: str, mapping: Dict
     w.pg_to_tag[pg] = tag
 
 
+def rename(pg: dist.ProcessGroup, new: str) -> bool:
+    """Give a registered Python group (:class:`GuardedGroup`, :class:`CompositeGroup`) the
+    c10d name ``new``: its entry in c10d's tables, its tag and the name registry that
+    functional collectives resolve by. Returns False, changing nothing, if another live group
+    holds ``new`` or ``pg`` is not a registered Python group.
+
+    Why: ``torch.compile`` guards a collective on its group's ``group_name``. A generation's
+    unique name (``pitstop:g1:tp:<digest>``) makes every rebuilt group, and a joiner's groups
+    against the ones its warmup sandbox compiled with, a guard failure and a recompile. A
+    group installed under a name that does not change (``pitstop:tp``) reuses the code."""
+    w = c10d._world
+    old = w.pg_names.get(pg)
+    if old is None or not hasattr(pg, "public"):
+        return False
+    if old == new:
+        return True
+    if new in w.pg_names.values():
+        return False
+    c10d._unregister_process_group(old)
+    pg.public = new
+    w.pg_names[pg] = new
+    c10d._register_process_group(new, pg)
+    tag = w.pg_to_tag.get(pg)
+    if tag is not None and tag == f"ptd:{old}":
+        members = w.tags_to_pg.get(tag, [])
+        if pg in members:
+            members.remove(pg)
+        if not members:
+            w.tags_to_pg.pop(tag, None)
+        w.tags_to_pg.setdefault(f"ptd:{new}", []).append(pg)
+        w.pg_to_tag[pg] = f"ptd:{new}"
+    return True
+
+
 #: Broken groups whose operations may still be pending in their worker threads:
 #: kept alive (never destroyed, whose join would block) until the process exits.
 GRAVEYARD: List[dist.ProcessGroup] = []

@@ -62,8 +62,8 @@ class Fence:
         return bool(self.errors) or bool(self.broken)
 
     def trip(self, group: "GuardedGroup", what: str, exc: BaseException) -> None:
-        self.broken[group.group_name] = group
-        self.errors.append(f"{what} on {group.group_name}: {str(exc).splitlines()[0][:200]}")
+        self.broken[group.uid] = group
+        self.errors.append(f"{what} on {group.uid}: {str(exc).splitlines()[0][:200]}")
 
     def reset(self) -> None:
         self.errors.clear()
@@ -124,7 +124,7 @@ class GuardedWork(dist._Work):
         else:
             before = held._use_count()
             del inner
-            _until_released(held, before, f"{self._what} on {self._group.group_name}")
+            _until_released(held, before, f"{self._what} on {self._group.uid}")
         if self._on_done is not None and not self._group.broken:
             self._on_done()
         return ok
@@ -169,10 +169,10 @@ class GuardedWork(dist._Work):
             if self._group.broken and self._group.fence.armed:
                 # a peer of this group died: give up on it; the operation stays pending
                 # in the retired group, which is never waited on again
-                self._group.fence.errors.append(f"{self._what} on {self._group.group_name}: abandoned")
+                self._group.fence.errors.append(f"{self._what} on {self._group.uid}: abandoned")
                 return True
             if deadline is not None and time.monotonic() > deadline:
-                raise GroupError(f"{self._what} on group {self._group.group_name} timed out after {timeout}")
+                raise GroupError(f"{self._what} on group {self._group.uid} timed out after {timeout}")
 
     def is_completed(self) -> bool:
         return self._inner is None or self._inner.is_completed()
@@ -216,6 +216,10 @@ class GuardedGroup(dist.ProcessGroup):
         """The layout's group kind (``tp``, ``dp``, ...); a gloo twin shares its group's kind."""
         self.fence = fence
         self._name = name
+        self.public: Optional[str] = None
+        """The name c10d knows the group by once :func:`pitstop.pg.create.rename` gave it a
+        stable one (``pitstop:tp``): what ``group_name`` answers, and what ``torch.compile``
+        guards on. ``uid`` stays the generation's unique name (the fence's key)."""
         self._backend = inner.name() if inner is not None else backend
         self._marked = False
 
@@ -231,6 +235,11 @@ class GuardedGroup(dist.ProcessGroup):
 
     @property
     def group_name(self) -> str:
+        return self.public or self._name
+
+    @property
+    def uid(self) -> str:
+        """The generation's unique name (``pitstop:g1:tp:<digest>``), whatever c10d calls the group."""
         return self._name
 
     @property

@@ -192,8 +192,66 @@ def abandon(out_dir):
     os._exit(0)
 
 
+class _Globals:
+    """Where the compiled function finds its group, as Megatron's layers find theirs in
+    ``parallel_state`` globals (what the registry's install writes)."""
+    tp = None
+
+
+def _tp_sum(x):
+    y = x * 2
+    dist.all_reduce(y, group=_Globals.tp)
+    return y + 1
+
+
+def compiled_replace(out_dir):
+    """``torch.compile`` across a replacement: every rank compiles a TP all-reduce with
+    generation 0's group; then role 3 is replaced (rank 3 plays its own joiner, with a fresh
+    registry at generation 1, as a standby does after its warmup sandbox), and the same
+    compiled function runs with generation 1's groups. Rebuilt or not, every rank's group
+    carries the name ``pitstop:tp``, so dynamo's guard on ``group_name`` holds: no recompile,
+    and the collective reaches the new communicator (the sums say so)."""
+    import torch._dynamo as dynamo
+    from torch.distributed import distributed_c10d as c10d
+
+    store = connect_from_env(T)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_world(store, rank, world, T)
+    layout = ParallelLayout(world, tp=2)
+    f = torch.compile(_tp_sum, backend="eager")
+    reg = GroupRegistry(layout, store, timeout=T)
+    reg.build()
+    _Globals.tp = reg.group("tp")
+    res = {"rank": rank, "names": [reg.group("tp").group_name]}
+    res["sums"] = [f(torch.tensor([float(rank + 1)])).item()]
+    if rank == world - 1:
+        reg.destroy()  # the leaver's (or the sandbox's) groups are gone, names freed
+        reg = GroupRegistry(layout, store, generation=1, timeout=T)
+        reg.build()
+    else:
+        old = reg.group("tp")
+        reg.replace(world - 1)
+        res["tp_rebuilt"] = reg.group("tp") is not old
+    _Globals.tp = reg.group("tp")
+    res["names"].append(reg.group("tp").group_name)
+    res["uid"] = reg.group("tp").uid
+    try:
+        res["resolves"] = c10d._resolve_process_group("pitstop:tp") is reg.group("tp")
+    except Exception as exc:  # noqa: BLE001 - not registered under the stable name
+        res["resolves"] = repr(exc)[:200]
+    res["sums"].append(f(torch.tensor([float(10 * (rank + 1))])).item())
+    res["graphs"] = int(dynamo.utils.counters["stats"]["unique_graphs"])
+    with open(os.path.join(out_dir, f"result_{rank}.json"), "w") as fh:
+        json.dump(res, fh)
+    dist.barrier()
+    reg.destroy()
+    dist.destroy_process_group()
+
+
 def main():
     out_dir = sys.argv[1]
+    if sys.argv[2:] == ["compiled-replace"]:
+        return compiled_replace(out_dir)
     if sys.argv[2:] == ["abandon"]:
         return abandon(out_dir)
     if sys.argv[2:] == ["background-prepare"]:
