@@ -178,7 +178,7 @@ class NodeAgent:
                     link.leave(self.link)
                     self.link = None
                     return 0
-                time.sleep(0.02)
+                self.agent.wait_exit(0.02)  # wakes at once when a child exits: its report goes out sooner
         except (RuntimeError, OSError) as exc:  # the store went away: the head is gone
             log.warning("[node %d] lost the control store (%s); stopping this machine's processes", self.node,
                         str(exc).splitlines()[0])
