@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -32,15 +32,17 @@ from pitstop import protocol
 from pitstop.errors import PitstopError
 from pitstop.launch.agent import Agent, Proc
 from pitstop.launch.changes import change_event
+from pitstop.launch.drain import DrainMixin
 from pitstop.launch.events import CHECKPOINTS, CONTROLLER, ROSTER, EventLog, write_private
 from pitstop.launch.nodes import Nodes
 from pitstop.launch.remote import Lookout, RemoteAgents
+from pitstop.launch.restart import RestartMixin
 from pitstop.launch.local import worker_env
 from pitstop.protocol import ENV_TOKEN, Channel, Refused, Verdict, new_token
 from pitstop.roster import ProcessInfo, Roster
 from pitstop.runtime import keys
 from pitstop.runtime.config import RuntimeConfig
-from pitstop.runtime.worker import ENV_CONTROLLER, ENV_EPOCH, ENV_GENERATION, ENV_RESUME, ENV_SLOT, ENV_STANDBY
+from pitstop.runtime.worker import ENV_CONTROLLER, ENV_EPOCH, ENV_GENERATION, ENV_SLOT, ENV_STANDBY
 from pitstop.store import connect, etcd_spec, host_store, parse_endpoint
 
 log = logging.getLogger(__name__)
@@ -153,7 +155,7 @@ def starting_wait(admitted: int, starting: int, needed: int, waited_s: float, li
     return "waited" if waited_s > limit_s else "wait"
 
 
-class Controller:
+class Controller(RestartMixin, DrainMixin):
     """Runs one job to its end (see the module docstring)."""
 
     def __init__(self, spec: LaunchSpec, resume: bool = False) -> None:
@@ -845,202 +847,7 @@ class Controller:
     def _last_committed(self) -> int:
         return 0 if self.committed is None else self.committed[1]
 
-    def _fallback(self, roles: List[int], reason: str, step: int, t_detect: float, fired: Optional[float],
-                  why: str = "no standby left") -> None:
-        g = self.roster.generation
-        resume, where = self._latest_checkpoint()
-        self.events.write("failure", role=roles[0], roles=roles, reason=reason, step=step, generation=g,
-                          standbys=len(self.pool))
-        if resume is None:
-            self.events.write("failed", reason=f"role(s) {','.join(map(str, roles))} lost, {why}, and no checkpoint "
-                                                f"(save_interval={self.cfg.save_interval}, {where})")
-            self.exit_code = 1
-            return
-        self.events.write("fallback", mode="checkpoint-restart", resume_step=resume, reason=why)
-        self.ch.put(keys.fault(g), {"fallback": True, "resume_step": resume})
-        self._ended(g)
-        self._restart_all(resume, roles[0], reason, t_detect, fired)
-
-    def _latest_checkpoint(self) -> Tuple[Optional[int], str]:
-        """The step a checkpoint restart resumes from (None: there is none), and where it looked.
-
-        pitstop's own checkpoints when the job saves them (``--save-interval``); otherwise the
-        script's, if world rank 0 declared them (Megatron-LM's ``--save``: the workers reload
-        it themselves through Megatron-LM's ``--load``). The declaration comes from the network:
-        an absolute directory and a bare file name, or it is refused."""
-        from pitstop.runtime import checkpoint
-
-        if self.cfg.save_interval:
-            d = self.cfg.save_dir or str(self.run_dir / CHECKPOINTS)
-            return checkpoint.latest_step(d), f"dir {d}"
-        ck = self.ch.read(keys.CHECKPOINT, protocol.CHECKPOINT)
-        if ck is None:
-            return None, "the script declared no checkpoints of its own"
-        d, marker = ck["dir"], ck["marker"]
-        if not os.path.isabs(d) or not marker or marker in (".", "..") or "/" in marker or "\0" in d + marker:
-            self.ch.refuse(keys.CHECKPOINT, f"checkpoint location {d!r}, marker {marker!r}: expected an absolute "
-                                            "directory and a file name")
-            return None, "the script's checkpoint declaration was refused"
-        try:
-            return checkpoint.latest_step(d, marker), f"the script's checkpoints in {d}"
-        except PitstopError as exc:
-            log.warning("the script's checkpoint marker cannot be used: %s", exc)
-            return None, f"the script's checkpoints in {d}: {exc}"
-
-    def _restart_all(self, resume: Optional[int], role: int, reason: str, t_detect: float, fired: Optional[float]) -> None:
-        """Stop every worker and start them all again (from checkpoint ``resume``, or from scratch).
-        The job's ``epoch`` counts these restarts; past ``--max-restarts`` the job ends instead."""
-        g = self.roster.generation if self.roster is not None else self.generation
-        if self.epoch >= self.spec.max_restarts:
-            self.events.write("failed", reason=f"{reason}; not restarted: {self.epoch} restart(s) already "
-                                               f"(--max-restarts {self.spec.max_restarts}), the cause repeats")
-            log.error("giving up: %s (%d restarts, --max-restarts %d)", reason, self.epoch, self.spec.max_restarts)
-            self.exit_code = 1
-            return
-        if resume is None:
-            self.events.write("restart", mode="from-scratch", reason=f"role {role} lost before the first step"
-                              if role >= 0 else reason)
-        placement: Dict[int, int] = {}
-        if self.spec.agents_apart:
-            placement, taken, why = self._restart_placement()
-            if why:
-                self.events.write("failed", reason=f"{reason}; the restart needs {self._training_machines()} "
-                                                   f"machines: {why}")
-                self.exit_code = 1
-                return
-            for s in taken:  # a standby machine becomes a training machine: its standbys make room
-                self.pool.remove(s)
-                self.stopping.add(self.members[s].proc.name)
-                self.agent.kill(self.members[s].proc)
-                del self.members[s]
-        # every process but the idle standbys: workers, joiners that took a role, a drain's joiner
-        doomed = [m.proc for s, m in self.members.items() if s not in self.pool and m.proc is not None and m.proc.running]
-        doomed += [e["proc"] for e in self.expected.values() if not e["standby"] and e["proc"].running]
-        for p in doomed:
-            self.agent.kill(p)
-        deadline = time.monotonic() + 30
-        while any(p.running for p in doomed) and time.monotonic() < deadline:
-            self.agent.poll()
-            time.sleep(0.01)
-        for s in [s for s in self.members if s not in self.pool]:
-            del self.members[s]
-        for s in [s for s, e in self.expected.items() if not e["standby"]]:
-            del self.expected[s]
-        self.leavers.clear()
-        self.role_slots.clear()
-        self.finished.clear()
-        self.epoch += 1
-        self.generation = g + 1
-        self.roster = None
-        self.store.delete_key(keys.COMMITTED)
-        self.committed = None
-        for r in range(self.spec.world_size):
-            self._start_worker(r, {ENV_RESUME: str(resume), "PITSTOP_FAULT": ""} if resume is not None else {"PITSTOP_FAULT": ""},
-                               placement.get(r // self.spec.nproc_per_node))
-        self.pending.append({"kind": "restart", "generation": g + 1, "step": (resume or 0) + 1, "fired": fired,
-                             "detected": t_detect, "planned": time.time(), "reason": reason, "role": role})
-
-    def _training_machines(self) -> int:
-        return self.spec.world_size // self.spec.nproc_per_node
-
-    def _restart_placement(self) -> tuple:
-        """Where a full restart runs each training machine's ranks: ``({logical machine: machine},
-        standby slots to stop, why not)``.
-
-        A logical machine ``L`` holds ranks ``L*nproc .. L*nproc+nproc-1``. It stays on the live
-        machine that holds all of its roles now (the standby machine that took them over, say),
-        else on machine ``L`` if that is alive, else it moves to a live standby machine whose idle
-        standbys are stopped to free its devices. With too few live machines, nothing starts."""
-        nproc, alive = self.spec.nproc_per_node, (lambda k: not self.agent.nodes[k].lost)
-        out: Dict[int, int] = {}
-        for L in range(self._training_machines()):
-            where = {self.members[self.role_slots[r]].node for r in range(L * nproc, (L + 1) * nproc)
-                     if r in self.role_slots and self.role_slots[r] in self.members}
-            if len(where) == 1 and alive(k := where.pop()) and k not in out.values():
-                out[L] = k
-        for L in range(self._training_machines()):
-            if L not in out and alive(L) and L not in out.values():
-                out[L] = L
-        spares = [k for k in range(self.spec.nodes.max) if alive(k) and k not in out.values()]
-        lost = sorted(k for k in range(self.spec.nodes.max) if not alive(k))
-        taken: List[int] = []
-        for L in range(self._training_machines()):
-            if L in out:
-                continue
-            if not spares:
-                return out, [], (f"machine(s) {lost} are lost and no standby machine is left "
-                                 f"({self.spec.nodes.max - len(lost)} of {self.spec.nodes.max} alive)")
-            out[L] = k = spares.pop(0)
-            taken += [s for s in self.pool if self.members[s].node == k]
-        return out, taken, None
-
     # ------------------------------------------------------------------ planned
-    def _check_drain_requests(self) -> None:
-        n = self.ch.add(keys.DRAIN_REQUEST, 0)
-        while self.drain_seen < n:
-            self.drain_seen += 1
-            req = self.ch.read(keys.drain_payload(self.drain_seen), protocol.DRAIN_REQUEST)
-            if req is None:  # refused (logged) or never written
-                continue
-            roles = self._roles_for(req)
-            via = self._standby_machine(len(roles)) if req.get("host") is not None and roles else None
-            self.events.write("drain-request", request=req, roles=roles, standby_machine=via)
-            if via is not None:  # a whole machine onto a standby machine: one two-phase move
-                self.drain_queue.append((roles, via))
-            else:
-                self.drain_queue.extend(([r], None) for r in roles)
-        if (self.draining is None and self.drain_queue and self.roster is not None and not self.pending
-                and not self.lost):
-            self._start_drain(*self.drain_queue.pop(0))
-        if self.draining is not None:
-            self._drain_progress()
-
-    def _roles_for(self, req: Dict[str, Any]) -> List[int]:
-        if req.get("rank") is not None:
-            r = req["rank"]
-            if not 0 <= r < self.spec.world_size:
-                self.events.write("drain-refused", reason=f"rank {r} does not exist (world {self.spec.world_size})")
-                return []
-            return [r]
-        host = req.get("host")
-        roles = [r for r, p in enumerate(self.roster.roles) if p.host == host] if self.roster else []
-        if not roles:
-            self.events.write("drain-refused", reason=f"no role runs on host {host!r}")
-        return roles
-
-    def _start_drain(self, roles: List[int], via: Optional[int] = None) -> None:
-        """Phase 1 of a drain of ``roles`` (one rank, or a whole machine's onto a standby machine)."""
-        if via is not None and sum(1 for s in self.pool if self.members[s].node == via) < len(roles):
-            via = None  # the standby machine is gone: per-role moves onto any standby
-            self.drain_queue[:0] = [([r], None) for r in roles[1:]]
-            roles = roles[:1]
-        if len(self.pool) < len(roles):  # wait for the pool to refill rather than refuse
-            key = tuple(roles)
-            if key not in self.drain_waiting:
-                self.drain_waiting.add(key)
-                self.events.write("drain-waiting", role=roles[0], roles=roles,
-                                  reason="no warm standby yet; waiting for the pool to refill")
-            self.drain_queue.insert(0, (roles, via))
-            return
-        self.drain_waiting.discard(tuple(roles))
-        g = self.roster.generation
-        slots = {r: self._pick_standby(via) for r in sorted(roles)}
-        joiners = {r: self.members[s].info for r, s in slots.items()}
-        self.ch.put(keys.drain(g), {"role": roles[0], "roles": sorted(roles), "generation": g + 1,
-                                    "joiner": joiners[roles[0]].describe()})
-        self._ended(g)
-        for r, slot in slots.items():
-            self.ch.put(keys.assign(slot), {"role": r, "roles": sorted(roles), "generation": g + 1, "mode": "drain",
-                                            "from_generation": g})
-        self.draining = {"role": roles[0], "roles": sorted(roles), "gen": g, "slots": slots,
-                         "leavers": {r: self.role_slots[r] for r in roles}, "t0": time.time(),
-                         "old": {r: self.roster.roles[r].describe() for r in roles},
-                         "new": {r: j.describe() for r, j in joiners.items()},
-                         "warm": all(self._warm(s) for s in slots.values())}
-        self.events.write("drain-prepare", role=roles[0], roles=sorted(roles), generation=g,
-                          joiner=joiners[roles[0]].describe(), standby_machine=via)
-        self.refill += sum(1 for s in slots.values() if not self.members[s].machine)  # see _failure
-
     def _refill(self) -> None:
         """Start the standbys that replace those a change took, once no change is under way:
         a failure or drain's new generation has committed a step (:meth:`_in_change`)."""
@@ -1048,31 +855,6 @@ class Controller:
             n, self.refill = self.refill, 0
             for _ in range(n):
                 self._start_standby()
-
-    def _drain_progress(self) -> None:
-        d = self.draining
-        g = d["gen"]
-        if "ready" not in d and self.ch.read(keys.drain_ready(g), protocol.FLAG) is not None:
-            d["ready"] = time.time()
-            self.events.write("drain-ready", role=d["role"], roles=d["roles"], prepare_s=round(d["ready"] - d["t0"], 4))
-        sw = self.ch.read(keys.drain_switch(g), protocol.DRAIN_SWITCH)
-        if sw is not None:
-            step_s, t_switch = sw["step"], sw["time"]
-            for leaver_slot in d["leavers"].values():
-                leaver = self.members[leaver_slot]
-                if leaver.proc is not None:
-                    self.leavers.add(leaver.proc.name)
-            self.roster = self.roster.replace_many({r: self.members[s].info for r, s in d["slots"].items()})
-            self.role_slots.update(d["slots"])
-            self._write_roster()
-            one = len(d["roles"]) == 1
-            self.pending.append({"kind": "planned", "role": d["role"], "roles": d["roles"], "generation": g + 1,
-                                 "step": int(step_s) + 1,
-                                 "old": d["old"][d["role"]] if one else d["old"],
-                                 "new": d["new"][d["role"]] if one else d["new"],
-                                 "requested": d["t0"], "ready_at": d.get("ready"), "warm": d.get("warm"),
-                                 "switch_at": float(t_switch)})
-            self.draining = None
 
     # ------------------------------------------------------------------ warmup
     def _warm(self, slot: int) -> bool:
