@@ -21,6 +21,9 @@ def test_private_c10d_api_is_what_pitstop_calls():
     assert {"pg", "backend_name", "store", "group_name", "backend_config", "rank_mapping"} <= set(reg)
     assert hasattr(c10d._world, "pg_group_ranks") and isinstance(c10d._world.pg_group_ranks, dict)
     assert "extended_api" in inspect.signature(dist.Backend.register_backend).parameters
+    # pitstop.pg.create.rename moves a group to its stable name through these
+    assert callable(c10d._register_process_group) and callable(c10d._unregister_process_group)
+    assert all(isinstance(getattr(c10d._world, t), dict) for t in ("pg_names", "pg_to_tag", "tags_to_pg"))
 
 
 def test_registration_without_register_pg_in_world_fills_the_same_tables():
@@ -49,6 +52,34 @@ def test_registration_without_register_pg_in_world_fills_the_same_tables():
                 table.pop(pg, None)
             w.tags_to_pg.pop("ptd:" + name, None)
             c10d._unregister_process_group(name)
+
+
+def test_rename_moves_a_group_in_every_c10d_table_and_never_takes_a_held_name():
+    """A group installed under its stable name resolves by it, keeps its generation's name as
+    ``uid``, and moves its tag; a name another live group holds is refused, changing nothing."""
+    from pitstop.pg import Fence, GuardedGroup, register_python_group, rename
+
+    w = c10d._world
+    a = GuardedGroup(None, 0, 2, "t:g0:tp:a", Fence(), kind="tp", backend="gloo")
+    b = GuardedGroup(None, 0, 2, "t:g1:tp:b", Fence(), kind="tp", backend="gloo")
+    register_python_group(a, "t:g0:tp:a", [3, 5], "tp")
+    register_python_group(b, "t:g1:tp:b", [3, 5], "tp")
+    try:
+        assert rename(a, "t:tp") is True
+        assert (a.group_name, a.uid, w.pg_names[a], w.pg_to_tag[a]) == ("t:tp", "t:g0:tp:a", "t:tp", "ptd:t:tp")
+        assert c10d._resolve_process_group("t:tp") is a and "ptd:t:g0:tp:a" not in w.tags_to_pg
+        assert rename(b, "t:tp") is False  # held by a: b keeps its name, nothing moved
+        assert (b.group_name, w.pg_names[b]) == ("t:g1:tp:b", "t:g1:tp:b")
+        assert c10d._resolve_process_group("t:tp") is a
+        assert rename(a, "t:tp") is True  # already its name
+    finally:
+        for pg in (a, b):
+            name = w.pg_names.get(pg)
+            for table in (w.pg_map, w.pg_names, w.pg_backend_config, w.pg_group_ranks, w.pg_to_tag):
+                table.pop(pg, None)
+            if name is not None:
+                w.tags_to_pg.pop("ptd:" + name, None)
+                c10d._unregister_process_group(name)
 
 
 @pytest.mark.timeout(120)
