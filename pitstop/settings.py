@@ -106,23 +106,24 @@ class Setting:
             bound = ""
         return noun + bound + (f" ({self.note})" if self.note else "")
 
-    def check(self, value: Any, where: str) -> Any:
+    def check(self, value: Any, where: str, shown: Optional[str] = None) -> Any:
         """``value`` if it is of the right type and within its floor (a float as ``float``), else
-        a :class:`ConfigError` naming ``where``, the value and what was expected. The order
-        against another setting is :func:`check_all`'s."""
+        a :class:`ConfigError` naming ``where``, the value (as ``shown``, default its repr) and
+        what was expected. The order against another setting is :func:`check_all`'s."""
         what = self.expected()
         got = type(value).__name__
+        value_text = repr(value) if shown is None else shown
         if self.type in (bool, str):
             if not isinstance(value, self.type):
-                raise ConfigError(f"{where}={value!r}: expected {what}, got {got}")
+                raise ConfigError(f"{where}={value_text}: expected {what}, got {got}")
             return value
         ok = (int,) if self.type is int else (int, float)
         if isinstance(value, bool) or not isinstance(value, ok):
-            raise ConfigError(f"{where}={value!r}: expected {what}, got {got}")
+            raise ConfigError(f"{where}={value_text}: expected {what}, got {got}")
         if self.type is float and not math.isfinite(value):
-            raise ConfigError(f"{where}={value!r}: expected {what}, got a non-finite number")
+            raise ConfigError(f"{where}={value_text}: expected {what}, got a non-finite number")
         if self.floor is not None and (value < self.floor or (self.open and value == self.floor)):
-            raise ConfigError(f"{where}={value!r}: expected {what}")
+            raise ConfigError(f"{where}={value_text}: expected {what}")
         return float(value) if self.type is float else value
 
     def from_text(self, text: str, where: str) -> Any:
@@ -138,10 +139,7 @@ class Setting:
             value = self.type(text)
         except ValueError:
             raise ConfigError(f"{where}={text!r}: expected {self.expected()}") from None
-        try:
-            return self.check(value, where)
-        except ConfigError as exc:  # name the text as given, not the number it became
-            raise ConfigError(f"{where}={text!r}:" + str(exc).split(":", 1)[1]) from None
+        return self.check(value, where, shown=repr(text))  # the text as given, not the number it became
 
     def argparse_type(self) -> Callable[[str], Any]:
         """argparse's ``type=``: a bad value is a usage error naming the text (exit 2)."""
@@ -150,7 +148,6 @@ class Setting:
                 return self.from_text(text, "")
             except ConfigError as exc:  # "='<text>': expected ..." -> "'<text>': expected ..."
                 raise argparse.ArgumentTypeError(str(exc)[1:]) from None
-        parse.__name__ = self.type.__name__
         return parse
 
 
