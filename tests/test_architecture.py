@@ -152,3 +152,29 @@ def test_no_parts_of_pitstop_import_each_other_in_a_circle():
         graph[part(mod)] |= {part(d) for d, _ in deps if part(d) != part(mod) and d != "pitstop"}
     found = cycles(dict(graph))
     assert not found, "parts that import each other in a circle:\n  " + "\n  ".join(map(str, found))
+
+
+#: The session's pieces (:mod:`pitstop.runtime.host`) and the controller's rooms.
+SESSION_PIECES = ("pitstop.runtime.buddy", "pitstop.runtime.vote", "pitstop.runtime.recovery",
+                  "pitstop.runtime.drain", "pitstop.runtime.watch", "pitstop.runtime.host")
+
+
+def _class_bases(path: Path, name: str) -> List[str]:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return [ast.unparse(b) for b in node.bases]
+    raise AssertionError(f"no class {name} in {path}")
+
+
+def test_the_session_composes_pieces_that_never_import_it():
+    """``Session`` has no base classes: its pieces are objects it makes and hands what they
+    use, and none of them imports the session back (it reaches the session through the
+    ``Host`` protocol). A piece turned back into a mixin, or one that imports the session,
+    fails here."""
+    assert _class_bases(ROOT / "pitstop/runtime/session.py", "Session") == []
+    deps = imports()
+    back = [f"{p} imports {d} at line {line}" for p in SESSION_PIECES for d, line in sorted(deps[p])
+            if d == "pitstop.runtime.session"]
+    assert not back, back
+    made = {d for d, _ in deps["pitstop.runtime.session"]}
+    assert set(SESSION_PIECES) - {"pitstop.runtime.host"} <= made, sorted(made)

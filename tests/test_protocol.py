@@ -304,3 +304,57 @@ def test_a_key_watch_calls_back_once_per_key_as_the_key_moves_on(monkeypatch):
     w.stop()
     assert [g for g, _ in seen] == [0, 1, 2], seen
     assert seen[1][1]["generation"] == 2 and seen[2][1] is None, seen
+
+
+def test_the_sessions_vote_commits_poisons_switches_and_refuses_a_forged_slot():
+    """The session's :class:`~pitstop.runtime.vote.Vote`, three ranks in threads on a real TCPStore,
+    each with its own client and fence: all healthy commits (and publishes ``committed``); one
+    poisoned rank settles the step poisoned for all, naming itself and its fence's error; a
+    ready drain makes the last arriver settle ``switch``; a slot written without the token
+    reads as poisoned, never as a commit."""
+    import threading
+
+    import torch.distributed as dist
+
+    from pitstop.pg.fence import Fence
+    from pitstop.protocol import Verdict
+    from pitstop.runtime.vote import Vote
+    from pitstop.store import host_store
+
+    st = host_store("127.0.0.1", 0, timedelta(seconds=10))
+    clients = [dist.TCPStore("127.0.0.1", st.port, is_master=False, timeout=timedelta(seconds=10)) for _ in range(3)]
+    fences = [Fence() for _ in range(3)]
+    votes = [Vote(Channel(c, TOKEN), c, 3, f, timeout_s=10.0) for c, f in zip(clients, fences)]
+    ch = Channel(st, TOKEN)
+
+    def round_(gen: int, step: int) -> list:
+        got: list = [None] * 3
+
+        def one(r: int) -> None:
+            got[r] = votes[r](gen, step, r, fences[r].poisoned)
+
+        ts = [threading.Thread(target=one, args=(r,)) for r in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(20)
+        return got
+
+    assert round_(0, 1) == [Verdict.OK] * 3
+    assert ch.read(keys.COMMITTED, protocol.COMMITTED)["step"] == 1
+
+    fences[1].errors.append("all_reduce on pitstop:g0:tp:abc: Connection closed by peer")
+    got = round_(0, 2)
+    assert len(set(got)) == 1 and got[0].startswith("poisoned at r1: all_reduce on pitstop:g0:tp:abc")
+    assert not Verdict.commits(got[0])
+    assert ch.read(keys.COMMITTED, protocol.COMMITTED)["step"] == 1   # not moved by a poisoned step
+    fences[1].reset()
+
+    ch.put(keys.drain_ready(0), {"set": True})
+    assert round_(0, 3) == [Verdict.SWITCH] * 3
+    assert ch.read(keys.drain_switch(0), protocol.DRAIN_SWITCH)["step"] == 3
+
+    # generation 1, step 1: someone without the token fills the private slot before anyone arrives
+    st.set(ch.private(keys.verdict(1, 1)), b"ok")
+    got = [votes[r](1, 1, r, False) for r in range(2)]   # two of three arrive: they wait on the slot
+    assert got == [Verdict.poisoned(None, "the verdict does not verify")] * 2

@@ -17,16 +17,32 @@ does this on its own, so nobody waits for a round it does not need.
 
 Received messages alternate between two buffers: the one behind the committed buddy copy
 is never overwritten by the next exchange, which may yet be discarded.
+
+:class:`BuddyRing` is the session's piece that uses the wire: it owns this rank's rollback
+point and its peer's copy, takes and swaps them at a vote, and hands them to a joiner::
+
+    data-parallel ring of the shard group (dp 3):   r0 -> r2 -> r4 -> r0
+    r2 holds: snap (its own state at the last vote), buddy (r0's)
+    r2 dies:  r4 sends its buddy copy (r2's state), r0 its own (r2's buddy: r0's state)
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+import logging
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
+from pitstop import pg as pgmod
 from pitstop.errors import RecoveryError
+from pitstop.runtime import state
+from pitstop.runtime.config import RuntimeConfig
+from pitstop.runtime.framework import Framework
 from pitstop.runtime.state import Snapshot
+
+log = logging.getLogger(__name__)
 
 PREFIX = 24
 MAX_BYTES = 1 << 40
@@ -135,3 +151,118 @@ class BuddyWire:
         if b is None or b.numel() != PREFIX + cap + nbytes:
             b = self._recv[i] = torch.empty(PREFIX + cap + nbytes, dtype=torch.uint8)
         return b
+
+
+class BuddyRing:
+    """This rank's rollback point (``snap``) and its data-parallel peer's (``buddy``).
+
+    Handed what it reads: the framework adapter (the extra state), the model and optimizer,
+    the group registry (the shard group's ring) and the fence (a poisoned exchange keeps
+    nothing). It holds no step bookkeeping; the session says when a vote committed."""
+
+    def __init__(self, rank: int, cfg: RuntimeConfig, fw: Framework, model: Sequence[Any], optimizer: Any,
+                 registry: Any, fence: pgmod.Fence) -> None:
+        self.rank = rank
+        self.cfg = cfg
+        self.fw = fw
+        self.model = model
+        self.optimizer = optimizer
+        self.registry = registry
+        self.fence = fence
+        self.snap: Optional[Snapshot] = None
+        """This rank's state at the last committed vote: the rollback point."""
+        self.buddy: Optional[Snapshot] = None
+        """The previous data-parallel peer's state at the same vote."""
+        self.spare: Optional[torch.Tensor] = None
+        """The buffer of the rollback point before the last one: the next snapshot is packed into it."""
+        self.wire = BuddyWire()
+        """This rank's side of the ring (one message per exchange)."""
+        self.seconds = 0.0
+        """Seconds spent exchanging with the peers."""
+
+    def group(self) -> Tuple[List[int], dist.ProcessGroup]:
+        """The ranks of this rank's shard group (its data-parallel ring), and the group to send on."""
+        e = self.registry.entry(self.fw.shard_kind)
+        return e.ranks, (e.gloo or e.group)
+
+    @staticmethod
+    def neighbours(ranks: List[int], r: int) -> Tuple[int, int]:
+        """The next and the previous rank of ``r`` on the ring ``ranks``."""
+        i = ranks.index(r)
+        return ranks[(i + 1) % len(ranks)], ranks[(i - 1) % len(ranks)]
+
+    def take(self, step: int, seq: int, reports: Optional[list] = None) -> Snapshot:
+        """Pack this rank's state after ``step`` (at world operation ``seq``) into the spare buffer."""
+        return state.take(self.optimizer, step, seq, out=self.spare,
+                          extra=self.fw.extra_state(self.model, self.optimizer), reports=reports)
+
+    def take_and_exchange(self, step: int, seq: int, reports: Optional[list] = None
+                          ) -> Tuple[Snapshot, Optional[Snapshot]]:
+        """Pack this rank's state (with the reports of the steps it makes final, see
+        :mod:`pitstop.runtime.reports`) and swap it along the ring. Returns (own, peer's);
+        the peer's is None without a ring, or when the step was poisoned meanwhile."""
+        snap = self.take(step, seq, reports)
+        ranks, group = self.group()
+        if not self.cfg.buddy or len(ranks) == 1:
+            return snap, None
+        # a poisoned rank still takes part (its peers wait for it); broken groups short-circuit
+        t0 = time.perf_counter()
+        nxt, prv = self.neighbours(ranks, self.rank)
+        self.fence.armed = True
+        got = self.wire.exchange(
+            snap, self.registry.generation, lambda out, inp: _sendrecv(out, inp, nxt, prv, group),
+            lambda out: dist.isend(out, nxt, group=group), lambda inp: dist.irecv(inp, prv, group=group),
+            lambda: self.fence.poisoned)
+        self.seconds += time.perf_counter() - t0
+        return snap, (None if self.fence.poisoned else got)
+
+    def keep(self, snap: Snapshot, received: Optional[Snapshot]) -> None:
+        """The vote committed: ``snap`` is the rollback point, ``received`` (if any) the buddy copy."""
+        self.spare = self.snap.data if self.snap else None
+        self.snap = snap
+        if received is not None:
+            self.buddy = received
+            self.wire.keep()
+
+    def start(self, step: int, seq: int) -> None:
+        """The first rollback point and buddy copy: the state before the first step."""
+        self.snap, self.buddy = self.take_and_exchange(step, seq)
+        self.wire.keep()
+
+    def hand_to_joiners(self, roles: Sequence[int], step: int) -> None:
+        """A stayer after a rollback to ``step``: send each joiner on this rank's ring its state.
+        The same order on every rank; a joiner receives from its next peer (the buddy copy of
+        its role), then from its previous one (its own copy of that peer, the role's buddy)."""
+        ranks, group = self.group()
+        for role in roles:
+            if role not in ranks or len(ranks) == 1:
+                continue
+            nxt, prv = self.neighbours(ranks, role)
+            if self.rank == nxt:
+                if self.buddy is None or self.buddy.step != step:
+                    raise RecoveryError(
+                        f"r{self.rank} holds the buddy copy of role {role} for step "
+                        f"{None if self.buddy is None else self.buddy.step}, needs step {step}")
+                state.send_snapshot(self.buddy, role, group)
+            if self.rank == prv and self.cfg.buddy:
+                state.send_snapshot(self.snap, role, group)
+
+    def receive(self) -> Tuple[Snapshot, int]:
+        """A joiner: its role's state from the next peer, and the buddy copy from the previous
+        one (what :meth:`hand_to_joiners` sends). Returns the state and the peer it came from;
+        it becomes the rollback point once restored (:meth:`adopt`)."""
+        ranks, group = self.group()
+        nxt, prv = self.neighbours(ranks, self.rank)
+        snap = state.recv_snapshot(nxt, group)
+        self.buddy = state.recv_snapshot(prv, group) if self.cfg.buddy else None
+        return snap, nxt
+
+    def adopt(self, snap: Snapshot, buddy: Optional[Snapshot]) -> None:
+        """A joiner's rollback point and buddy copy, taken over from its role's previous process."""
+        self.snap, self.buddy = snap, buddy
+
+
+def _sendrecv(out: torch.Tensor, inp: torch.Tensor, dst: int, src: int, group) -> None:
+    works = [dist.isend(out, dst, group=group), dist.irecv(inp, src, group=group)]
+    for w in works:
+        w.wait()

@@ -25,6 +25,15 @@ group can feed a healthy rank garbage, so no rank can vouch for a step on its ow
     commit:  []        []   []   [(5, o5), (6, o6), (7, o7), (8, o8)]     committed
     commit:  []   x    []   []   []     -> steps() yields 5 again        discarded
 
+The session composes pieces, each handed what it uses (see :mod:`pitstop.runtime.host`)::
+
+    Session: the loop, the boundary, the step window, the start, the swap to a generation
+      ring      BuddyRing   rollback point and the data-parallel peer's copy
+      vote      Vote        the verdict of every rank on a step
+      recovery  Recovery    a dead peer: fail fast, roll back, rebuild the delta, state
+      drain     Drain       a planned leave: phase 1 in the background, the switch
+      watcher   Watcher     the heartbeat's look and the end-of-generation watch
+
 A timeline of one discarded step (K = 1)::
 
     step s:   fwd  bwd  reduce  opt  |boundary|           the kill lands here
@@ -38,10 +47,8 @@ import collections
 import logging
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
 from pitstop import pg as pgmod
@@ -51,29 +58,32 @@ from pitstop.protocol import Verdict
 from pitstop import memory
 from pitstop.errors import PitstopError, RecoveryError
 from pitstop.runtime import keys, reports, sandbox, state, worker
-from pitstop.runtime.buddy import BuddyWire
-from pitstop.runtime.drain import DrainMixin
+from pitstop.runtime.buddy import BuddyRing
+from pitstop.runtime.drain import Drain
 from pitstop.runtime.framework import Framework, first_trainable, wrap
 from pitstop.runtime.faults import Fault
-from pitstop.runtime.recovery import RecoveryMixin
+from pitstop.runtime.recovery import Recovery
 from pitstop.runtime.swap import find_groups, swap_groups
+from pitstop.runtime.vote import Vote
+from pitstop.runtime.watch import Watcher
 from pitstop.runtime.worker import Membership, require_current
 
 log = logging.getLogger(__name__)
 
 
-class Session(RecoveryMixin, DrainMixin):
+class Session:
     """pitstop's hook into one training process (see the module docstring).
 
-    Its rooms: this module holds the loop, the boundary and its vote, the buddy ring, the
-    watchers and the start; :class:`~pitstop.runtime.recovery.RecoveryMixin` the unplanned
-    side (rollback, delta, state to the joiner); :class:`~pitstop.runtime.drain.DrainMixin`
-    the planned one (phase 1 in the background, the switch at a boundary)."""
+    It is handed its dependencies: the framework adapter (``framework``), the group registry
+    (``registry``, by default the one the adapter installed), the fault fence (``fence``, by
+    default the registry's) and the process's membership (``membership``, by default the one
+    :func:`pitstop.runtime.worker.join` made). It composes its pieces from them."""
 
     def __init__(self, model: Sequence[Any], optimizer, make_data: Callable[[int], Iterator], *,
                  checkpoint_dir: Optional[str] = None, framework: Optional[Framework] = None,
+                 registry: Any = None, fence: Optional[pgmod.Fence] = None, membership: Optional[Membership] = None,
                  attach_world_at_first_step: bool = False, switch_at_next_step: bool = False) -> None:
-        self.m: Membership = require_current()
+        self.m: Membership = membership if membership is not None else require_current()
         if framework is None:
             raise PitstopError("Session(framework=None): the session is handed its library's adapter; make it "
                                "through pitstop.integrations.megatron.session or pitstop.integrations.deepspeed")
@@ -81,35 +91,31 @@ class Session(RecoveryMixin, DrainMixin):
         self.model = list(model)
         self.optimizer = optimizer
         self.make_data = make_data
-        self.registry = self.fw.registry()
+        self.registry = registry if registry is not None else self.fw.registry()
         if self.registry is None:
             raise PitstopError(f"pitstop's groups are not installed: build them through pitstop.integrations.{self.fw.name}")
         self.layout = self.registry.layout
         self.rank = self.m.role
         self.gen = self.registry.generation
-        self.fence = pgmod.FENCE
+        self.fence: pgmod.Fence = fence if fence is not None else (getattr(self.registry, "fence", None) or pgmod.FENCE)
         self.cfg = self.m.config
         self.checkpoint_dir = checkpoint_dir or self.cfg.save_dir or None
         self.data: Optional[Iterator] = None
         self.step = 0
         self.first_step = 1
-        self.snap: Optional[state.Snapshot] = None
-        self.buddy: Optional[state.Snapshot] = None
-        self._spare: Optional[torch.Tensor] = None
-        """The buffer of the rollback point before the last one: the next snapshot is packed into it."""
-        self.wire = BuddyWire()
-        """This rank's side of the buddy ring (one message per exchange)."""
         self._committed: Optional[bool] = None
-        self._lock = threading.Lock()
-        self._drain_lock = threading.Lock()
-        self._aborted_gen = -1
-        self._drain: Optional[Dict[str, Any]] = None
+        self.groups_lock = threading.Lock()
+        """Held while the groups change (a rollback, a switch): the heartbeat's fail-fast stays out."""
+        self.ring = BuddyRing(self.rank, self.cfg, self.fw, self.model, optimizer, self.registry, self.fence)
+        self.recovery = Recovery(self)
+        self.drain = Drain(self, switch_at_next_step)
+        self.vote = Vote(self.m.channel, self.m.store, self.layout.world_size, self.fence,
+                         self.cfg.collective_timeout_s * 2) if self.controlled else None
         self.hook_s = 0.0
         """Seconds spent in :meth:`commit` on committed steps (the steady-state overhead)."""
         self.boundary_s: Deque[Tuple[int, float]] = collections.deque(maxlen=4096)
         """(step, seconds in :meth:`commit`) of the last 4,096 boundaries, in order: the steady-state
         cost, apart from one-offs (step 1's record, a recovery). Bounded: a job runs for weeks."""
-        self.buddy_s = 0.0
         self.steps_committed = 0
         self.stale_refs: List[Any] = []
         """References to retired groups found after the last swap (should be none)."""
@@ -127,7 +133,7 @@ class Session(RecoveryMixin, DrainMixin):
         logged them: at least once across a failure, exactly once across a drain)."""
         self._reports_ok = True
         self._poison_told = False
-        self._redo_from: Optional[int] = None
+        self._redo_at: Optional[int] = None
         self._new_gen = self.m.joiner
         """The next committed step is this process's first in a new generation: report its time."""
         self.attach_world_at_first_step = attach_world_at_first_step
@@ -136,32 +142,34 @@ class Session(RecoveryMixin, DrainMixin):
         joiner answers world operations from rank 0's record and rank 0 goes on recording."""
         self._world_attach: Optional[Tuple[int, int]] = None
         """A joiner's (operation count, epoch) to join the world's stream at, once the loop begins."""
-        self.switch_at_next_step = switch_at_next_step
-        """A drain's switch waits for the loop to ask for its next step, instead of happening inside
-        :meth:`commit`. For a loop that does world operations of its own between steps (Megatron-LM
-        logs, times and checks after ``train_step``): the leaver does them too, and hands over
-        where the joiner's loop begins, so all ranks count the same world operations."""
-        self._switch_due: Optional[int] = None
         faults = Fault.from_env() if (self.m.mode == "worker" and self.m.epoch == 0) else []
         self.faults = [f for f in faults if f.rank == self.rank]
         self._fire: Optional[Callable[[str], None]] = None
         if self.faults:
             self._arm_faults()
-        self._end_watch: Optional[worker.KeyWatch] = None
-        self._fault_seen = threading.Event()  # set by the watchers when a fault is announced
-        if self.m.heartbeat is not None:
-            self.m.heartbeat.watchers.append(self._watch)
-            # the generation's end (a fault or a drain) is waited on: a stayer blocked on a dead
-            # peer is freed within a round trip of the controller's announcement, not at the
-            # next heartbeat
-            self._end_watch = worker.KeyWatch(f"ended-r{self.rank}", lambda: keys.ended(self.gen), self._watch,
-                                              self.ch, protocol.STAMP, self.m.take_connection()).start()
+        self.watcher = Watcher(self, self.recovery, self.drain).start()
+
+    # ------------------------------------------------------------------ what the pieces read
+    @property
+    def snap(self) -> Optional[state.Snapshot]:
+        """This rank's rollback point (the ring's)."""
+        return self.ring.snap
+
+    @property
+    def buddy(self) -> Optional[state.Snapshot]:
+        """The data-parallel peer's copy this rank holds (the ring's)."""
+        return self.ring.buddy
+
+    @property
+    def buddy_s(self) -> float:
+        """Seconds spent exchanging buddy copies."""
+        return self.ring.seconds
 
     # ------------------------------------------------------------------ helpers
     def prefix(self) -> str:
         return tag(self.gen, self.rank, self.step)
 
-    def _info(self, msg: str, *args) -> None:
+    def info(self, msg: str, *args) -> None:
         log.info("%s " + msg, self.prefix(), *args)
 
     @property
@@ -177,20 +185,11 @@ class Session(RecoveryMixin, DrainMixin):
         """The authenticated control channel (every message sealed and verified)."""
         return self.m.channel
 
-    def _shard_group(self):
-        e = self.registry.entry(self.fw.shard_kind)
-        return e.ranks, (e.gloo or e.group)
-
-    @staticmethod
-    def _ring(ranks: List[int], r: int):
-        i = ranks.index(r)
-        return ranks[(i + 1) % len(ranks)], ranks[(i - 1) % len(ranks)]
-
     def _hold_for_warm(self) -> None:
         """Wait (bounded) until every standby has replayed the record this step produced."""
         t0 = time.perf_counter()
         warm = self.ch.wait(keys.WARM_ALL, protocol.FLAG, timeout_s=self.cfg.hold_for_warm_s, period_s=0.05)
-        self._info("held %.2fs for the standbys' warmup (%s)", time.perf_counter() - t0,
+        self.info("held %.2fs for the standbys' warmup (%s)", time.perf_counter() - t0,
                    "done" if warm is not None else "timed out; going on")
 
     def _report_iteration(self, iter_s: float) -> None:
@@ -203,7 +202,7 @@ class Session(RecoveryMixin, DrainMixin):
             "first_iter_s": round(iter_s, 4), "steady_iter_s": None if steady is None else round(steady, 4),
             "joiner": self.m.joiner and self.steps_committed == 0})
 
-    def _report(self, gen: int, who: str, **timings: float) -> None:
+    def report(self, gen: int, who: str, **timings: float) -> None:
         self.ch.put(keys.timing(gen, who), {k: round(v, 4) for k, v in timings.items()})
 
     # ------------------------------------------------------------------ the loop
@@ -216,7 +215,7 @@ class Session(RecoveryMixin, DrainMixin):
         self._last = last
         step = self.first_step
         while step <= last:
-            self._switch_if_due()
+            self.drain.switch_if_due()
             self.step = step
             self._committed = None
             if self._provisional == 0:  # a new vote window; inside one, a poisoned fence stays poisoned
@@ -228,9 +227,9 @@ class Session(RecoveryMixin, DrainMixin):
                 raise PitstopError(f"{self.prefix()} the loop body must call session.commit({step})")
             if self._committed:
                 step += 1
-            elif self._redo_from is not None:  # the discarded window starts here (the step itself when K = 1)
-                step, self._redo_from = self._redo_from, None
-        self._switch_if_due()  # a drain after the last step: the joiner finishes the role
+            elif self._redo_at is not None:  # the discarded window starts here (the step itself when K = 1)
+                step, self._redo_at = self._redo_at, None
+        self.drain.switch_if_due()  # a drain after the last step: the joiner finishes the role
         self.fence.armed = False
 
     def loop_begins(self) -> None:
@@ -245,7 +244,7 @@ class Session(RecoveryMixin, DrainMixin):
             pgmod.world_group().attach(seq, epoch)
         self._t_step = time.perf_counter()
 
-    def _attach_world(self, seq: int) -> None:
+    def attach_world(self, seq: int) -> None:
         if self.attach_world_at_first_step:
             self._world_attach = (seq, self.gen)
         else:
@@ -295,18 +294,14 @@ class Session(RecoveryMixin, DrainMixin):
         final = self._redeliver + self._held + [(step, report)]
         wire = self._wire_reports(final)
         with sandbox.paused():
-            pending, received = self._take_and_exchange(step, wire)
+            pending, received = self.ring.take_and_exchange(step, pgmod.world_group().seq, wire)
         poisoned = self.fence.poisoned
         self.fence.armed = False
-        verdict = self._vote(step, poisoned)
+        verdict = self.vote(self.gen, step, self.rank, poisoned)
         if recording:  # the record of iteration 1 is complete (kept only if the step was)
             sandbox.finish_recording(self.ch, Verdict.commits(verdict), self.layout)
         if Verdict.commits(verdict):
-            self._spare = self.snap.data if self.snap else None
-            self.snap = pending
-            if received is not None:
-                self.buddy = received
-                self.wire.keep()
+            self.ring.keep(pending, received)
             self.steps_committed += 1
             self.iter_s.append(iter_s)
             self._new_gen = False
@@ -317,10 +312,7 @@ class Session(RecoveryMixin, DrainMixin):
             if self.cfg.save_interval and step % self.cfg.save_interval == 0:
                 self._save(step, wire)
             if verdict == Verdict.SWITCH:
-                if self.switch_at_next_step:
-                    self._switch_due = step
-                else:
-                    self._switch(step)
+                self.drain.committed(step)
             if self.cfg.warmup and self.cfg.hold_for_warm_s and self.m.mode == "worker" and self.m.epoch == 0 \
                     and self.steps_committed == 1:
                 self._hold_for_warm()
@@ -330,8 +322,8 @@ class Session(RecoveryMixin, DrainMixin):
             if self._fire is not None:
                 self._fire("committed")
             return final
-        self._info("step discarded (%s)", verdict[:120])
-        self._recover(step)
+        self.info("step discarded (%s)", verdict[:120])
+        self.recovery.recover(step)
         self._committed = False
         return []
 
@@ -346,8 +338,7 @@ class Session(RecoveryMixin, DrainMixin):
         verdict on the window's first step), which confirms a silent machine sooner."""
         if self.fence.poisoned and not self._poison_told:
             self._poison_told = True
-            why = self.fence.errors[0] if self.fence.errors else f"groups marked broken: {sorted(self.fence.broken)}"
-            self.ch.vote(keys.verdict(self.gen, step - self._provisional), Verdict.poisoned(self.rank, why))
+            self.vote.tell_poisoned(self.gen, step - self._provisional, self.rank)
         self._provisional += 1
         self._held.append((step, report))
         self.steps_committed += 1
@@ -359,26 +350,6 @@ class Session(RecoveryMixin, DrainMixin):
         return []
 
     # ------------------------------------------------------------------ boundary pieces
-    def _take_and_exchange(self, step: int, wire_reports: Optional[list] = None):
-        """Pack this rank's state (rollback point), with the reports of the steps it makes
-        final (:mod:`pitstop.runtime.reports`), and swap it with the buddy ring."""
-        seq = pgmod.world_group().seq
-        snap = state.take(self.optimizer, step, seq, out=self._spare, extra=self.fw.extra_state(self.model, self.optimizer),
-                          reports=wire_reports)
-        ranks, group = self._shard_group()
-        if not self.cfg.buddy or len(ranks) == 1:
-            return snap, None
-        # a poisoned rank still takes part (its peers wait for it); broken groups short-circuit
-        t0 = time.perf_counter()
-        nxt, prv = self._ring(ranks, self.rank)
-        self.fence.armed = True
-        got = self.wire.exchange(
-            snap, self.gen, lambda out, inp: self._sendrecv(out, inp, nxt, prv, group),
-            lambda out: dist.isend(out, nxt, group=group), lambda inp: dist.irecv(inp, prv, group=group),
-            lambda: self.fence.poisoned)
-        self.buddy_s += time.perf_counter() - t0
-        return snap, (None if self.fence.poisoned else got)
-
     def _wire_reports(self, final: Sequence[Tuple[int, Any]]) -> Optional[list]:
         if not final or not self._reports_ok:
             return None
@@ -389,7 +360,7 @@ class Session(RecoveryMixin, DrainMixin):
             log.warning("%s commit reports are not carried to a joiner: %s", self.prefix(), exc)
             return None
 
-    def _take_redelivery(self, read: Callable[[], Optional[List[Tuple[int, Any]]]], where: str) -> None:
+    def take_redelivery(self, read: Callable[[], Optional[List[Tuple[int, Any]]]], where: str) -> None:
         """A joiner, or a restart: the steps its role's previous process made final (``read``
         from the role's state or its checkpoint), which that process may not have logged."""
         try:
@@ -398,57 +369,18 @@ class Session(RecoveryMixin, DrainMixin):
             log.warning("%s refused the reports carried in %s: %s", self.prefix(), where, exc)
             self._redeliver = []
         if self._redeliver:
-            self._info("hands back step(s) %s at its first commit: the role's previous process made them final "
+            self.info("hands back step(s) %s at its first commit: the role's previous process made them final "
                        "and may not have logged them", [s for s, _ in self._redeliver])
-
-    @staticmethod
-    def _sendrecv(out: torch.Tensor, inp: torch.Tensor, dst: int, src: int, group) -> None:
-        works = [dist.isend(out, dst, group=group), dist.irecv(inp, src, group=group)]
-        for w in works:
-            w.wait()
-
-    def _vote(self, step: int, poisoned: bool) -> str:
-        """Every rank arrives (a private counter); the last one settles the verdict (a private
-        compare-and-set slot holding a sealed verdict), or a poisoned rank or the controller
-        settles it first. Neither name can be found, nor its value forged, without the token."""
-        ch, vk = self.ch, keys.verdict(self.gen, step)
-        if poisoned:
-            why = self.fence.errors[0] if self.fence.errors else f"groups marked broken: {sorted(self.fence.broken)}"
-            ch.vote(vk, Verdict.poisoned(self.rank, why))
-        elif ch.add(keys.arrive(self.gen, step), 1) == self.layout.world_size:
-            want = Verdict.SWITCH if ch.read(keys.drain_ready(self.gen), protocol.FLAG) is not None else Verdict.OK
-            got = ch.vote(vk, want)
-            if got == want:
-                now = time.time()
-                ch.put(keys.COMMITTED, {"generation": self.gen, "step": step, "time": now}, own=False)
-                if want == Verdict.SWITCH:
-                    ch.put(keys.drain_switch(self.gen), {"step": step, "time": now})
-            return got  # the slot's value, settled: no need to wait for it or read it again
-        self.store.wait([ch.private(vk)], timedelta(seconds=self.cfg.collective_timeout_s * 2))
-        got = ch.settled(vk, present=True)
-        return got if got is not None else Verdict.poisoned(None, "the verdict does not verify")
 
     def _save(self, step: int, wire_reports: Optional[list]) -> None:
         t0 = time.perf_counter()
         if wire_reports:  # first: a restart from this step hands them back (read only once the save is whole)
             reports.write(self.checkpoint_dir, step, self.rank, wire_reports)
         self.fw.save(self.checkpoint_dir, step, self.model, self.optimizer)
-        self._info("checkpoint of step %d saved in %.2fs", step, time.perf_counter() - t0)
-
-    # ------------------------------------------------------------------ watchers (heartbeat thread)
-    def _watch(self, ch: protocol.Channel) -> None:
-        gen = self.gen
-        if self._aborted_gen < gen:
-            info = self._fault_info(ch, gen)
-            if info is not None:
-                self._fault_seen.set()  # wakes _wait_fault at once
-            if info is not None and info.get("roles"):  # (a fallback names none)
-                self._abandon_delta(gen, info["roles"])
-        if self._drain is None:
-            self._take_drain(ch, gen)
+        self.info("checkpoint of step %d saved in %.2fs", step, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ a new generation (both sides)
-    def _advance(self, pending) -> Any:
+    def advance(self, pending) -> Any:
         """Swap in the next generation's groups everywhere: registry, framework objects, library globals."""
         old = {k: self.registry.entry(k) for k in pending.entries}
         report = self.registry.commit(pending)
@@ -482,9 +414,9 @@ class Session(RecoveryMixin, DrainMixin):
             return
         mode = self.m.mode
         if mode == "recover":
-            self._start_recover()
+            self.recovery.start_joiner()
         elif mode == "drain":
-            self._start_drain()
+            self.drain.start_joiner()
         else:
             if mode == "restart":
                 import os
@@ -493,8 +425,8 @@ class Session(RecoveryMixin, DrainMixin):
 
                 loaded = self.fw.load(self.checkpoint_dir, self.model, self.optimizer, int(os.environ[ENV_RESUME]))
                 self.first_step = loaded + 1
-                self._info("restarted from the checkpoint of step %d", loaded)
-                self._take_redelivery(lambda: reports.read(self.checkpoint_dir, loaded, self.rank), "the checkpoint")
+                self.info("restarted from the checkpoint of step %d", loaded)
+                self.take_redelivery(lambda: reports.read(self.checkpoint_dir, loaded, self.rank), "the checkpoint")
             self.data = self.make_data(self.first_step)
             if self.rank == 0 and self.m.epoch == 0 and mode == "worker":  # what the controller plans with
                 lay = self.layout
@@ -504,10 +436,28 @@ class Session(RecoveryMixin, DrainMixin):
             # the first rollback point and buddy copy: the state before the first step
             self.step = self.first_step - 1
             with sandbox.paused():  # pitstop's own exchange is not part of the script's iteration
-                self.snap, self.buddy = self._take_and_exchange(self.first_step - 1)
-            self.wire.keep()
+                self.ring.start(self.first_step - 1, pgmod.world_group().seq)
 
-    def _restore(self, snap: state.Snapshot) -> None:
+    def begin_at(self, step: int) -> None:
+        """This process's loop starts at ``step`` (a joiner): the step and the data there."""
+        self.first_step = step
+        self.step = step
+        self.data = self.make_data(step)
+
+    def redo_from(self, step: int) -> None:
+        """The window from ``step`` on was discarded (recovery rolled back): the data goes back
+        there, the steps run since the last vote are forgotten, and the loop yields ``step`` again."""
+        self.data = self.make_data(step)
+        self.fence.reset()
+        self._redo_at = step
+        self.steps_committed -= self._provisional  # run between votes, now discarded with the window
+        if self._provisional:
+            del self.iter_s[-self._provisional:]
+        self._provisional = 0
+        self._held = []
+        self._poison_told = False
+
+    def restore(self, snap: state.Snapshot) -> None:
         """Write a snapshot into this rank (rollback, or a joiner taking its role)."""
         self.fw.prepare_rollback(self.model, self.optimizer)
         extra = state.restore(self.optimizer, snap)
@@ -521,7 +471,7 @@ class Session(RecoveryMixin, DrainMixin):
             for f in self.faults:
                 if self.step == f.step and phase == f.phase:
                     self.ch.put(keys.FAULT_FIRED, {"time": time.time()}, own=False)
-                    self._info("fault injector: signal %s in phase %s", f.sig, phase)
+                    self.info("fault injector: signal %s in phase %s", f.sig, phase)
                     f.fire()
 
         self._fire = fire

@@ -1,0 +1,67 @@
+"""The vote at an iteration boundary: did every rank finish the step on healthy groups?
+
+::
+
+    each rank:   poisoned?  --yes-->  settle the slot "poisoned r<rank>: <why>"
+                    | no
+                 arrive (a private counter) --the last of world_size--> settle "ok" or "switch"
+                    |                                                   (and publish `committed`)
+                 wait for the slot, read it back, verify its seal
+
+The slot is a compare-and-set key holding a sealed verdict, so the first settler wins and
+nobody can forge one without the job's token: a poisoned rank, the last arriver, or the
+controller (which settles a dead rank's step poisoned). The vote is handed its channel, its
+store and the fence; it holds no state between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from pitstop import pg as pgmod
+from pitstop import protocol
+from pitstop.protocol import Verdict
+from pitstop.runtime import keys
+
+
+class Vote:
+    """One rank's side of the per-step verdict (see the module docstring)."""
+
+    def __init__(self, ch: protocol.Channel, store: dist.Store, world_size: int, fence: pgmod.Fence,
+                 timeout_s: float) -> None:
+        self.ch = ch
+        self.store = store
+        self.world_size = world_size
+        self.fence = fence
+        self.timeout_s = timeout_s
+        """How long a rank waits for the slot to be settled: twice the collective timeout, so the
+        controller has settled a dead rank's step long before."""
+
+    def why(self) -> str:
+        """The fence's first error, or the groups it marked broken."""
+        return self.fence.errors[0] if self.fence.errors else f"groups marked broken: {sorted(self.fence.broken)}"
+
+    def tell_poisoned(self, gen: int, step: int, rank: int) -> None:
+        """Settle ``step``'s slot poisoned now (a rank between votes tells the controller at once)."""
+        self.ch.vote(keys.verdict(gen, step), Verdict.poisoned(rank, self.why()))
+
+    def __call__(self, gen: int, step: int, rank: int, poisoned: bool) -> str:
+        """Vote on ``step`` of generation ``gen``; return the settled verdict."""
+        ch, vk = self.ch, keys.verdict(gen, step)
+        if poisoned:
+            ch.vote(vk, Verdict.poisoned(rank, self.why()))
+        elif ch.add(keys.arrive(gen, step), 1) == self.world_size:
+            want = Verdict.SWITCH if ch.read(keys.drain_ready(gen), protocol.FLAG) is not None else Verdict.OK
+            got = ch.vote(vk, want)
+            if got == want:
+                now = time.time()
+                ch.put(keys.COMMITTED, {"generation": gen, "step": step, "time": now}, own=False)
+                if want == Verdict.SWITCH:
+                    ch.put(keys.drain_switch(gen), {"step": step, "time": now})
+            return got  # the slot's value, settled: no need to wait for it or read it again
+        self.store.wait([ch.private(vk)], timedelta(seconds=self.timeout_s))
+        got = ch.settled(vk, present=True)
+        return got if got is not None else Verdict.poisoned(None, "the verdict does not verify")
