@@ -263,3 +263,40 @@ def test_a_standby_freezes_its_heap_once_warm():
         assert gc.get_freeze_count() > max(before, 1000)
     finally:
         gc.unfreeze()
+
+
+# ----------------------------------------------------------------------------- logging
+def test_the_library_configures_no_log_handler_unless_its_launcher_asked(monkeypatch):
+    """``pitstop launch`` and ``pitstop emulate`` put ``PITSTOP_LOG`` in their workers'
+    environment (``worker_env``); a process started without it gets no handler from pitstop,
+    and a bad level is refused by name before anything starts."""
+    import logging
+
+    from pitstop.errors import PitstopError
+    from pitstop.launch.local import worker_env
+    from pitstop.runtime import worker
+
+    lg = logging.getLogger("pitstop")
+    saved = (list(lg.handlers), lg.level, lg.propagate)
+    try:
+        for h in list(lg.handlers):
+            lg.removeHandler(h)
+        monkeypatch.delenv(worker.ENV_LOG, raising=False)
+        assert worker_env(0, 2, 0, "127.0.0.1", 1234)[worker.ENV_LOG] == "info"
+        worker._setup_logging()
+        assert lg.handlers == []
+        monkeypatch.setenv(worker.ENV_LOG, "loud")
+        with pytest.raises(PitstopError, match=r"PITSTOP_LOG='loud': expected one of debug, info, warning, error"):
+            worker._setup_logging()
+        assert lg.handlers == []
+        monkeypatch.setenv(worker.ENV_LOG, "debug")
+        worker._setup_logging()
+        assert len(lg.handlers) == 1 and lg.level == logging.DEBUG and not lg.propagate
+        assert worker_env(0, 2, 0, "127.0.0.1", 1234)[worker.ENV_LOG] == "debug"   # the launcher passes it on
+    finally:
+        for h in list(lg.handlers):
+            lg.removeHandler(h)
+        for h in saved[0]:
+            lg.addHandler(h)
+        lg.setLevel(saved[1])
+        lg.propagate = saved[2]

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
 
+from pitstop.runtime.worker import ENV_LOG
 from pitstop.store import ENV_STORE, host_store
 
 
@@ -34,6 +35,7 @@ def worker_env(rank: int, world_size: int, local_rank: int, host: str, port: Opt
         ENV_STORE: store if store is not None else f"{host}:{port}",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "PYTHONUNBUFFERED": "1",
+        ENV_LOG: os.environ.get(ENV_LOG, "info"),  # pitstop's own lines on the worker's stderr (see worker._setup_logging)
     }
     if store is None:  # a TCPStore that torchrun's env:// could reach too
         env.update({"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"})

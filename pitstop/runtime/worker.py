@@ -37,6 +37,8 @@ ENV_GENERATION = "PITSTOP_GENERATION"
 ENV_EPOCH = "PITSTOP_EPOCH"
 ENV_RESUME = "PITSTOP_RESUME_STEP"      # set on a checkpoint restart
 ENV_SLOT = "PITSTOP_SLOT"               # the slot the controller gave the process it started
+ENV_LOG = "PITSTOP_LOG"                 # set by pitstop's launchers: the level of pitstop's stderr handler
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass
@@ -341,14 +343,22 @@ def _wait_assignment(ch: Channel, slot: int, world: int, pool: Optional[Connecti
 
 
 def _setup_logging() -> None:
-    """pitstop's log lines go to stderr, rank-prefixed by their callers ([g3 r5 step 120])."""
+    """pitstop's log lines go to stderr, rank-prefixed by their callers ([g3 r5 step 120]),
+    when the process that started this one asked for it: ``pitstop launch`` and ``pitstop
+    emulate`` set :data:`ENV_LOG` for their workers. Without it the library configures no
+    handler: a script started by hand, or by torchrun, logs as its own logging set-up says."""
+    level = os.environ.get(ENV_LOG, "")
+    if not level:
+        return
+    if level.lower() not in LOG_LEVELS:
+        raise PitstopError(f"{ENV_LOG}={level!r}: expected one of {', '.join(LOG_LEVELS)}")
     lg = logging.getLogger("pitstop")
     if not lg.handlers:
         h = logging.StreamHandler()
         h.setFormatter(logging.Formatter("pitstop %(asctime)s %(message)s"))
         lg.addHandler(h)
-        lg.setLevel(logging.INFO)
         lg.propagate = False
+    lg.setLevel(level.upper())
 
 
 def _die_with_agent() -> None:
