@@ -178,3 +178,11 @@ def test_the_session_composes_pieces_that_never_import_it():
     assert not back, back
     made = {d for d, _ in deps["pitstop.runtime.session"]}
     assert set(SESSION_PIECES) - {"pitstop.runtime.host"} <= made, sorted(made)
+
+
+def test_the_controller_composes_its_drains_and_restarts():
+    """``Controller`` has no base classes either; its drains and restarts are pieces it makes
+    (``Drains`` owns the drains' state, which the controller persists through it)."""
+    assert _class_bases(ROOT / "pitstop/launch/controller.py", "Controller") == []
+    made = {d for d, _ in imports()["pitstop.launch.controller"]}
+    assert {"pitstop.launch.drain", "pitstop.launch.restart"} <= made, sorted(made)

@@ -32,11 +32,11 @@ from pitstop import protocol
 from pitstop.errors import PitstopError
 from pitstop.launch.agent import Agent, Proc
 from pitstop.launch.changes import change_event
-from pitstop.launch.drain import DrainMixin
+from pitstop.launch.drain import Drains
 from pitstop.launch.events import CHECKPOINTS, CONTROLLER, ROSTER, EventLog, write_private
 from pitstop.launch.nodes import Nodes
 from pitstop.launch.remote import Lookout, RemoteAgents
-from pitstop.launch.restart import RestartMixin
+from pitstop.launch.restart import Restarts
 from pitstop.launch.local import worker_env
 from pitstop.protocol import ENV_TOKEN, Channel, Refused, Verdict, new_token
 from pitstop.roster import ProcessInfo, Roster
@@ -155,7 +155,7 @@ def starting_wait(admitted: int, starting: int, needed: int, waited_s: float, li
     return "waited" if waited_s > limit_s else "wait"
 
 
-class Controller(RestartMixin, DrainMixin):
+class Controller:
     """Runs one job to its end (see the module docstring)."""
 
     def __init__(self, spec: LaunchSpec, resume: bool = False) -> None:
@@ -213,12 +213,10 @@ class Controller(RestartMixin, DrainMixin):
         self.generation = 0
         self.next_join = 1
         self.pending: List[Dict[str, Any]] = []       # changes waiting for their first step after
-        self.drain_queue: List[tuple] = []             # (roles, standby machine or None): one move each
-        self.drain_waiting: set = set()
-        self.draining: Optional[Dict[str, Any]] = None
+        self.restarts = Restarts(self)                # the checkpoint fallback and the full restart
+        self.drains = Drains(self)                    # planned drains: requests, queue, the one under way
         self.leavers: set = set()
         self.stopping: set = set()                    # names of processes stopped on purpose
-        self.drain_seen = 0
         self.sb_count = 0
         self.finished: set = set()
         self.exit_code: Optional[int] = None
@@ -342,7 +340,7 @@ class Controller(RestartMixin, DrainMixin):
                     self._on_exit(p)
                 self._settle()  # a loss seen just now may be all there is to gather (see _settle)
                 self._check_heartbeats()
-                self._check_drain_requests()
+                self.drains.check()
                 self._progress()
                 self._refill()
                 self._watch_warmup()
@@ -370,7 +368,7 @@ class Controller(RestartMixin, DrainMixin):
 
         return {
             "next_slot": self.next_slot, "apply_next": self.apply_next, "epoch": self.epoch,
-            "generation": self.generation, "next_join": self.next_join, "drain_seen": self.drain_seen,
+            "generation": self.generation, "next_join": self.next_join,
             "sb_count": self.sb_count, "standbys_taken": self.standbys_taken, "warm_all": self.warm_all,
             # not the last commit: it moves every step, and the store holds it (ctl/committed)
             "poison_seen": list(self.poison_seen) if self.poison_seen else None,
@@ -379,13 +377,7 @@ class Controller(RestartMixin, DrainMixin):
             "members": [member(m) for m in self.members.values()],
             "roster": json.loads(self.roster.to_json()) if self.roster is not None else None,
             "role_slots": [[r, sl] for r, sl in self.role_slots.items()], "pool": list(self.pool),
-            "pending": self.pending, "drain_queue": [[list(r), v] for r, v in self.drain_queue], "refill": self.refill,
-            "drain_waiting": [list(t) for t in self.drain_waiting],
-            "draining": None if self.draining is None else {
-                **self.draining, "slots": [[r, sl] for r, sl in self.draining["slots"].items()],
-                "leavers": [[r, sl] for r, sl in self.draining["leavers"].items()],
-                "old": [[r, v] for r, v in self.draining["old"].items()],
-                "new": [[r, v] for r, v in self.draining["new"].items()]},
+            "pending": self.pending, "refill": self.refill, **self.drains.state(),
             "leavers": sorted(self.leavers), "stopping": sorted(self.stopping), "finished": sorted(self.finished),
             "recorded": sorted(self.recorded), "warm_seen": sorted(self.warm_seen),
             "lost": [[r, p.name, why] for r, (p, why, _) in self.lost.items()],
@@ -430,7 +422,7 @@ class Controller(RestartMixin, DrainMixin):
         unrecorded = self.agent.restore(st["agents"])
         procs = self.agent.procs
         self.next_slot, self.apply_next, self.epoch = st["next_slot"], st["apply_next"], st["epoch"]
-        self.generation, self.next_join, self.drain_seen = st["generation"], st["next_join"], st["drain_seen"]
+        self.generation, self.next_join = st["generation"], st["next_join"]
         self.sb_count, self.standbys_taken, self.warm_all = st["sb_count"], st["standbys_taken"], st["warm_all"]
         self.committed = None
         self._read_committed()
@@ -445,11 +437,7 @@ class Controller(RestartMixin, DrainMixin):
         self.pool = [int(x) for x in st["pool"]]
         self.refill = int(st.get("refill", 0))
         self.pending = list(st["pending"])
-        self.drain_queue = [(list(r), v) for r, v in st["drain_queue"]]
-        self.drain_waiting = {tuple(t) for t in st["drain_waiting"]}
-        d = st["draining"]
-        self.draining = None if d is None else {**d, **{k: {int(r): v for r, v in d[k]}
-                                                       for k in ("slots", "leavers", "old", "new")}}
+        self.drains.take_state(st)
         self.leavers, self.stopping = set(st["leavers"]), set(st["stopping"])
         self.finished, self.recorded, self.warm_seen = set(st["finished"]), set(st["recorded"]), set(st["warm_seen"])
         self.lost = {int(r): (procs[name], why, time.time()) for r, name, why in st["lost"]}
@@ -586,9 +574,10 @@ class Controller(RestartMixin, DrainMixin):
             return
         if p.name in self.stopping:  # stopped on purpose (a standby machine turned training machine)
             return
-        if role is None and self.draining is not None and slot in self.draining["slots"].values():
+        d = self.drains.current
+        if role is None and d is not None and slot in d["slots"].values():
             # a drain's joiner died before its switch: the stayers' background build waits on it
-            self._overlap(f"a joiner of the drain of role(s) {self.draining['roles']} ({p.name}, pid {p.pid}) "
+            self._overlap(f"a joiner of the drain of role(s) {d['roles']} ({p.name}, pid {p.pid}) "
                           f"exited ({p.exit}) before its switch")
             return
         if role is None:
@@ -671,7 +660,7 @@ class Controller(RestartMixin, DrainMixin):
         """A replacement or drain whose new generation has not committed a step yet."""
         # a drain builds generation g+1 too: a replacement now would build the same generation's
         # groups under the same store prefix, so a failure during a drain is an overlap as well
-        return any(ch["kind"] in ("unplanned", "planned") for ch in self.pending) or self.draining is not None
+        return any(ch["kind"] in ("unplanned", "planned") for ch in self.pending) or self.drains.current is not None
 
     #: How long a failure waits for standbys that were started but have not said hello yet.
     STARTING_STANDBY_WAIT_S = 60.0
@@ -736,12 +725,12 @@ class Controller(RestartMixin, DrainMixin):
             # lost before the first step committed: the others may be stuck in a world
             # operation of their set-up, and there is no state to keep. Start over.
             self.events.write("failure", role=roles[0], roles=roles, reason=reason, step=0, generation=g)
-            self._restart_all(None, roles[0], reason, t_detect, fired)
+            self.restarts.restart_all(None, roles[0], reason, t_detect, fired)
             return
         step = self._resolve_step(g, {"roles": roles, "generation": g + 1})
         why = self._unrecoverable(roles)
         if why or len(self.pool) < len(roles):
-            self._fallback(roles, reason, step, t_detect, fired,
+            self.restarts.fallback(roles, reason, step, t_detect, fired,
                            why="; ".join(why) if why else f"{len(roles)} role(s) lost, {len(self.pool)} standby(s) left")
             return
         slots = self._pick_standbys(roles)
@@ -803,7 +792,7 @@ class Controller(RestartMixin, DrainMixin):
         """A failure during a change (a joiner, a stayer in the delta rebuild, a drain's joiner):
         the half-built generation cannot be trusted, so every worker restarts from the last
         checkpoint, or from scratch without one. Bitwise either way, and never a hang."""
-        resume, _ = self._latest_checkpoint()
+        resume, _ = self.restarts.latest_checkpoint()
         self.events.write("fallback", mode="checkpoint-restart" if resume is not None else "restart-from-scratch",
                           resume_step=resume, reason=f"overlapping failure: {reason}")
         if self.roster is not None:
@@ -812,9 +801,9 @@ class Controller(RestartMixin, DrainMixin):
         for ch in list(self.pending):
             self.pending.remove(ch)
             self.events.write("abandoned", change=ch["kind"], role=ch.get("role"), generation=ch["generation"], reason=reason)
-        self.draining = None
+        self.drains.current = None
         self.lost = {}
-        self._restart_all(resume, -1, reason, time.time(), None)
+        self.restarts.restart_all(resume, -1, reason, time.time(), None)
 
     def _resolve_step(self, g: int, fault: Dict[str, Any]) -> int:
         """The first step that the failure discards. Every step of the window after the last
@@ -920,7 +909,7 @@ class Controller(RestartMixin, DrainMixin):
         # standbys a drain took are ready when the drain is (its joiners build their roles in phase 1)
         if (not self.warm_all and len(self.pool) + self.standbys_taken >= want
                 and all(s in self.warm_seen for s in self.pool)
-                and (self.draining is None or "ready" in self.draining)):
+                and (self.drains.current is None or "ready" in self.drains.current)):
             self.warm_all = True
             self.ch.put(keys.WARM_ALL, {"set": True})
 
