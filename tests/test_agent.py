@@ -78,3 +78,63 @@ def test_a_kill_wakes_wait_exit_and_the_other_killed_process_counts_as_dying(tmp
     finally:
         agent.close()
     assert agent.pidfds == {}
+
+
+#: A process that starts a helper with multiprocessing's ``spawn`` (as Megatron-LM's workers
+#: do), writes the helper's pid to argv[1], then either waits or SIGKILLs itself (argv[2]).
+HELPER_PARENT = """
+import multiprocessing as mp, os, sys, time
+def helper():
+    time.sleep(600)
+if __name__ == "__main__":
+    p = mp.get_context("spawn").Process(target=helper)
+    p.start()
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(str(p.pid))
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    if sys.argv[2] == "crash":
+        os.kill(os.getpid(), 9)
+    time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["killed by the agent", "killed by itself"])
+def test_a_killed_process_takes_the_helpers_it_started_with_it(tmp_path, how):
+    """A worker SIGKILLed by the agent (a restart, a hung rank) or by itself (the fault injector)
+    must not leave its multiprocessing helpers running: before the agent signalled process
+    groups, each such kill in the Megatron-LM lane left a spawned helper (about 0.5 GB) and its
+    resource tracker reparented to init."""
+    script = tmp_path / "parent.py"
+    script.write_text(HELPER_PARENT)
+    pidfile = tmp_path / "helper.pid"
+    agent = Agent(tmp_path)
+    helper = None
+    try:
+        p = agent.start("w", [str(script), str(pidfile), "crash" if how == "killed by itself" else "wait"],
+                        dict(os.environ))
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        helper = int(pidfile.read_text())
+        assert _alive(helper)
+        if how == "killed by the agent":
+            agent.kill(p)
+        while p.running and time.monotonic() < deadline:
+            agent.wait_exit(1.0)
+            agent.poll()
+        assert p.exit == "signal SIGKILL"
+        while _alive(helper) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(helper), f"the helper (pid {helper}) outlived its parent, {how}"
+    finally:
+        if helper is not None and _alive(helper):
+            os.kill(helper, signal.SIGKILL)
+        agent.close()
