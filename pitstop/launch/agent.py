@@ -160,7 +160,8 @@ class Agent:
         multiprocessing starts each process in a session of its own, so the group is the
         process and its helpers (Megatron-LM's ``spawn`` workers and their resource
         trackers). Signalling the pid alone left those running, reparented to init, after
-        every kill (seen: 32 of them, about 0.5 GB each, after one Megatron-LM test lane)."""
+        every kill (seen after one Megatron-LM test lane: 16 helpers of about 0.5 GB each,
+        and their 16 trackers)."""
         _signal_group(p.pid, sig)
 
     def log_tail(self, p: Proc, n: int = 30) -> str:
