@@ -151,11 +151,6 @@ class Session:
 
     # ------------------------------------------------------------------ what the pieces read
     @property
-    def snap(self) -> Optional[state.Snapshot]:
-        """This rank's rollback point (the ring's)."""
-        return self.ring.snap
-
-    @property
     def buddy(self) -> Optional[state.Snapshot]:
         """The data-parallel peer's copy this rank holds (the ring's)."""
         return self.ring.buddy
