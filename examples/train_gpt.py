@@ -607,6 +607,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
             "peak_tensor_bytes": _peak_tensor_bytes(),
             "hook_s": round(session.hook_s, 4) if session else 0.0,
             "buddy_s": round(session.buddy_s, 4) if session else 0.0,
+            "background_cpu_s": round(session.background_cpu_s, 4) if session else 0.0,
             "buddy_bytes": session.buddy.nbytes if session and session.buddy else 0,
             "steps_committed": session.steps_committed if session else args.steps,
             # this process's first iteration against its median one: a joiner's warm-up cost

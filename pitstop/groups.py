@@ -56,6 +56,11 @@ class Entry:
     how: str
     gloo: Optional[dist.ProcessGroup] = None
     """The gloo twin for CPU-side collectives; the group itself when it is gloo already."""
+    ring: Optional[dist.ProcessGroup] = None
+    """A gloo communicator of the same ranks that only pitstop's buddy ring uses (the
+    registry's ``ring_kind``): its exchange runs in a background thread while the training
+    step runs collectives on the group and its twin, and two threads must never interleave
+    operations on one gloo communicator (each rank would pair them in a different order)."""
 
     @property
     def kind(self) -> str:
@@ -146,6 +151,7 @@ class GroupRegistry:
         fence: Optional[pgmod.Fence] = pgmod.FENCE,
         deferred: bool = False,
         connections: Optional[SharedConnection] = None,
+        ring_kind: Optional[str] = None,
     ) -> None:
         if not dist.is_initialized():
             raise GroupError("torch.distributed is not initialised: call pitstop.pg.init_world() first")
@@ -178,6 +184,14 @@ class GroupRegistry:
         peers may be waiting for: a deadlock). Opened by :meth:`build` (or a standby,
         before it had a role), so a replacement opens none; see
         :class:`pitstop.store.SharedConnection`."""
+        self.ring_kind = ring_kind
+        """The kind whose communicator gets a :attr:`Entry.ring` (the buddy ring's shard kind),
+        or None. Resolved to the communicator that realises it (``dp-cp`` is ``dp``'s alias
+        at cp 1); a composite kind has none, and its ring exchanges on the training thread."""
+        self._ring_comm: Optional[str] = None
+        if ring_kind is not None and self.backend != VIRTUAL:
+            r = realization(layout, ring_kind)
+            self._ring_comm = ring_kind if r.how == "comm" else r.parts[0] if r.how == "alias" else None
         self._deferred: Optional[List] = [] if deferred else None
         """A joiner's communicators still to build (see :meth:`build` and :meth:`attach`)."""
         self._builder: Optional[threading.Thread] = None
@@ -203,7 +217,7 @@ class GroupRegistry:
             if e.how == "alias":
                 continue
             kind = e.key[0]
-            for g, suffix in ((e.group, ""), (e.gloo, "+gloo")):
+            for g, suffix in ((e.group, ""), (e.gloo, "+gloo"), (e.ring, "+ring")):
                 if g is not None and not (suffix and g is e.group):
                     if not pgmod.rename(g, f"{self.prefix}:{kind}{suffix}"):
                         log.debug("%s group %s keeps its name %s", tag(self.generation, self.rank), kind, g.group_name)
@@ -233,7 +247,11 @@ class GroupRegistry:
                 ranks, "gloo", store, self._name(kind, ranks, gen, "+gloo"), self.timeout, kind + "+gloo", self.fence,
                 deferred,
             )
-        return Entry((kind, ranks, gen), group, "comm", gloo)
+        ring = None
+        if kind == self._ring_comm and len(ranks) > 1:
+            ring = pgmod.new_comm(ranks, "gloo", store, self._name(kind, ranks, gen, "+ring"), self.timeout,
+                                  kind + "+ring", self.fence, deferred)
+        return Entry((kind, ranks, gen), group, "comm", gloo, ring)
 
     def rendezvous_count(self) -> int:
         """How many communicators of this rank rendezvous in a full build: the most any
@@ -245,7 +263,8 @@ class GroupRegistry:
         ranks = tuple(self.layout.group_of(kind, self.rank))
         if r.how == "alias":
             part = entries[r.parts[0]]
-            return Entry((kind, ranks, gen), part.group, "alias", part.gloo if kind in GLOO_TWIN_KINDS else None)
+            return Entry((kind, ranks, gen), part.group, "alias", part.gloo if kind in GLOO_TWIN_KINDS else None,
+                         part.ring)
         inner, outer = (entries[p] for p in r.parts)
         name = self._name(kind, ranks, gen)
         group = pgmod.CompositeGroup(ranks, self.rank, inner.group, outer.group, name)
@@ -410,7 +429,7 @@ class GroupRegistry:
         for e in self._entries.values():
             if e.how != "comm":
                 continue
-            for g in (e.group, e.gloo):
+            for g in (e.group, e.gloo, e.ring):
                 if g is not None and id(g) not in seen:
                     seen.add(id(g))
                     out.append(g)
@@ -506,7 +525,7 @@ class GroupRegistry:
         # aliases share their part's objects, which the part's own entry destroys
         if e.how == "alias":
             return
-        for g in {id(e.group): e.group, id(e.gloo): e.gloo}.values():
+        for g in {id(e.group): e.group, id(e.gloo): e.gloo, id(e.ring): e.ring}.values():
             if g is not None:
                 pgmod.destroy(g)
                 if retire:

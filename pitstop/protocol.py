@@ -248,12 +248,15 @@ class Verdict:
 
         "ok"                          every rank arrived healthy: the step (window) is final
         "switch"                      as ok, and a prepared drain switches after this step
+        "switch next"                 as ok (an asynchronous vote, read a step late): the drain
+                                      switches after the next step, which everyone votes at once
         "poisoned at r5: <why>"       a rank's groups broke: the window is discarded
         '{"fault": {...}}'            the controller settled it first: discarded, replaced
     """
 
     OK = "ok"
     SWITCH = "switch"
+    SWITCH_NEXT = "switch next"
     _POISONED = "poisoned"
     WHY_MAX = 1500
 
@@ -270,8 +273,8 @@ class Verdict:
 
     @classmethod
     def commits(cls, v: Optional[str]) -> bool:
-        """The step is final (ok, or ok with a switch)."""
-        return v in (cls.OK, cls.SWITCH)
+        """The step is final (ok, or ok with a switch now or after the next step)."""
+        return v in (cls.OK, cls.SWITCH, cls.SWITCH_NEXT)
 
     @classmethod
     def is_poisoned(cls, v: Optional[str]) -> bool:

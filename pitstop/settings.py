@@ -179,6 +179,10 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("commit_interval", "commit_interval", int, 1, floor=1, note="1: vote at every step", metavar="K",
             help="Vote, take the rollback point and exchange the buddy copy every K steps; a failure redoes at "
                  "most K steps, bitwise."),
+    Setting("async_commit", "async_commit", bool, True,
+            help="Pack the rollback point, exchange the buddy copy and vote in a background thread while the next "
+                 "step runs; a vote's verdict is read at the next boundary, so a failure redoes one step more "
+                 "(off: the boundary waits for its own vote)."),
 )
 
 BY_KEY: Dict[str, Setting] = {s.key: s for s in SETTINGS}

@@ -31,6 +31,7 @@ DEFAULTS = {
     "hold_for_warm": 0.0,
     "emulation": None,
     "commit_interval": 1,
+    "async_commit": True,
 }
 
 DS = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: A valid value that is not the default, per key (a new row without one fails here, by name).
 OTHER = {"standby": 3, "heartbeat_interval": 0.25, "heartbeat_timeout": 3.0, "collective_timeout": 60.0,
          "buddy": False, "save_interval": 3, "save_dir": "/tmp/pitstop-ck", "warmup": False, "hold_for_warm": 2.5,
-         "commit_interval": 4}
+         "commit_interval": 4, "async_commit": False}
 
 
 def _text(v) -> str:

@@ -204,7 +204,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         pool = pgmod.world_connections()  # pitstop's world: its store and spare connections
         reg = GroupRegistry(layout, pool.store if pool is not None else c10d._get_default_store(),
                             generation=generation, backend=backend, timeout=timedelta(seconds=timeout_s),
-                            gloo_twins=False, deferred=worker.defers_groups(), connections=pool)
+                            gloo_twins=False, deferred=worker.defers_groups(), connections=pool,
+                            ring_kind=worker.ring_kind(DEEPSPEED.shard_kind))
         # rank 0 of a fresh controlled job records its set-up and step 1 for standbys to replay
         _sandbox.maybe_start_recording(layout, dist.get_rank(), m)
         reg.build()

@@ -77,6 +77,7 @@ class PitstopSection:
     emulation: Optional[EmulationSection] = None
     """Target-scale emulation settings; absent (None) for a normal run."""
     commit_interval: int = _d("commit_interval")  # after emulation: the field order is public
+    async_commit: bool = _d("async_commit")
     given: FrozenSet[str] = field(default=frozenset(), compare=False, repr=False)
     """The keys the config wrote (the rest are defaults)."""
 

@@ -311,6 +311,7 @@ def initialize_model_parallel(
         timeout=_group_timeout(distributed_timeout_minutes),
         gloo_twins=create_gloo_process_groups,
         deferred=_defers_groups(),
+        ring_kind=_ring_kind(),
         connections=pool,
     )
     from pitstop.runtime.worker import current
@@ -341,6 +342,13 @@ def _defers_groups() -> bool:
     from pitstop.runtime.worker import defers_groups
 
     return defers_groups()
+
+
+def _ring_kind() -> Optional[str]:
+    """The buddy ring's private communicators, when the boundary exchanges in the background."""
+    from pitstop.runtime.worker import ring_kind
+
+    return ring_kind(MEGATRON.shard_kind)
 
 
 def _default_generation() -> int:

@@ -201,6 +201,9 @@ def after_setup(model, optimizer, scheduler) -> None:
     from pitstop.runtime.worker import require_current
 
     cfg = require_current().config
+    # async_commit is not refused, since it is the default: Megatron-LM logs each step itself right
+    # after train_step returns, before a vote read one boundary later could discard it, so the
+    # session votes at every boundary synchronously here (async_commit=False below)
     if cfg.commit_interval != 1:
         raise PitstopError(f"--pitstop-commit-interval {cfg.commit_interval}: under Megatron-LM's own loop every "
                            "step is voted (1); a window of several steps would be redone after Megatron-LM "
@@ -213,7 +216,7 @@ def after_setup(model, optimizer, scheduler) -> None:
     _State.samples_per_step = args.global_batch_size
     _State.dataloader_type = args.dataloader_type
     _State.session = Session(model, optimizer, _make_data, framework=MEGATRON_LM,
-                             attach_world_at_first_step=True, switch_at_next_step=True)
+                             attach_world_at_first_step=True, switch_at_next_step=True, async_commit=False)
     _declare_checkpoints(args, _State.session)
 
 

@@ -193,8 +193,46 @@ class BuddyRing:
 
     def take(self, step: int, seq: int, reports: Optional[list] = None) -> Snapshot:
         """Pack this rank's state after ``step`` (at world operation ``seq``) into the spare buffer."""
-        return state.take(self.optimizer, step, seq, out=self.spare,
-                          extra=self.fw.extra_state(self.model, self.optimizer), reports=reports)
+        return self.pack(self.capture(step, seq, reports))
+
+    def capture(self, step: int, seq: int, reports: Optional[list] = None) -> state.Capture:
+        """The part of :meth:`take` that must happen at the boundary itself (the RNG streams)."""
+        return state.capture(step, seq, self.fw.extra_state(self.model, self.optimizer), reports)
+
+    def pack(self, cap: state.Capture) -> Snapshot:
+        """The rest of :meth:`take`: the shard's bytes, into the spare buffer (any thread, before
+        the optimizer steps again)."""
+        return state.pack(self.optimizer, cap, out=self.spare)
+
+    def private_ring(self) -> Optional[Tuple[List[int], dist.ProcessGroup]]:
+        """The shard group's ranks and the communicator only the ring uses (built when the
+        registry was given a ``ring_kind``), or None: then the ring exchanges on the training
+        thread (:meth:`take_and_exchange`)."""
+        e = self.registry.entry(self.fw.shard_kind)
+        return None if e is None or e.ring is None else (e.ranks, e.ring)
+
+    def exchange_behind(self, snap: Snapshot, gen: int) -> Tuple[Optional[Snapshot], Optional[str]]:
+        """Swap ``snap`` along the ring on its private communicator, from the background thread
+        (:mod:`pitstop.runtime.pipeline`) while the next step runs. Returns (the peer's
+        snapshot, None), or (None, why) when the exchange failed: then the vote is poisoned,
+        because this rank holds no buddy copy of that step. Touches neither the fence's arming
+        (the training thread's) nor its verdict: only the ring's own group says if it broke."""
+        ranks, group = self.private_ring()
+        t0 = time.perf_counter()
+        nxt, prv = self.neighbours(ranks, self.rank)
+        try:
+            got = self.wire.exchange(
+                snap, gen, lambda out, inp: _sendrecv(out, inp, nxt, prv, group),
+                lambda out: dist.isend(out, nxt, group=group), lambda inp: dist.irecv(inp, prv, group=group),
+                lambda: bool(getattr(group, "broken", False)))
+        except Exception as exc:  # noqa: BLE001 - a dead peer (disarmed fence), or a message that does not parse
+            self.wire.gen = None
+            return None, f"buddy exchange on {getattr(group, 'uid', group)}: {str(exc).splitlines()[0][:300]}"
+        finally:
+            self.seconds += time.perf_counter() - t0
+        if got is None:
+            return None, f"buddy exchange on {getattr(group, 'uid', group)}: the ring's group broke"
+        return got, None
 
     def take_and_exchange(self, step: int, seq: int, reports: Optional[list] = None
                           ) -> Tuple[Snapshot, Optional[Snapshot]]:

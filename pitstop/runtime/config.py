@@ -39,6 +39,7 @@ class RuntimeConfig:
     warmup: bool = _d("warmup")
     hold_for_warm_s: float = _d("hold_for_warm_s")
     commit_interval: int = _d("commit_interval")
+    async_commit: bool = _d("async_commit")
 
     def __post_init__(self) -> None:
         values = {BY_FIELD[f.name].key: getattr(self, f.name) for f in fields(self)}
@@ -67,7 +68,10 @@ class RuntimeConfig:
                 or (self.save_interval > 0 and step % self.save_interval == 0))
 
     def discard_window(self, last_committed: int) -> range:
-        """The steps a failure after ``last_committed`` may discard: the next vote is at one of them."""
+        """The steps a failure after ``last_committed`` may discard: the next vote is at one of them.
+
+        With ``async_commit`` a rank runs one boundary past its vote before it reads the verdict,
+        but that boundary reads it before it votes again: the window is the same."""
         return range(last_committed + 1, last_committed + self.commit_interval + 1)
 
     # ------------------------------------------------------------------ environment

@@ -85,6 +85,13 @@ class Framework:
 
         return checkpoint.load(ckpt_dir, list(model), optimizer, step)
 
+    def state_writers(self, model: Sequence[Any], optimizer) -> List[Tuple[Any, str]]:
+        """The (object, method) pairs that write this rank's shard between two boundaries: the
+        asynchronous commit (:mod:`pitstop.runtime.pipeline`) holds them until it has packed
+        the last boundary's state. Megatron's optimizer and DeepSpeed's both write it only in
+        ``step`` (the engine's ``step`` calls its optimizer's)."""
+        return [(optimizer, "step")]
+
     def param_buffers(self, model: Sequence[Any], optimizer) -> List[torch.Tensor]:
         return state.param_buffers(model)
 

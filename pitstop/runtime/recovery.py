@@ -67,7 +67,7 @@ class Recovery:
             self.aborted_gen = gen
             kinds = plan_replace(s.layout, tuple(roles), gen, gen + 1).rebuilt_kinds(s.rank)
             epoch = pgmod.world_group().epoch  # recovery rewinds it to generation gen + 1
-            groups = [g for k in kinds if (e := s.registry.entry(k)) for g in (e.group, e.gloo)
+            groups = [g for k in kinds if (e := s.registry.entry(k)) for g in (e.group, e.gloo, e.ring)
                       if isinstance(g, pgmod.GuardedGroup)]
         finally:
             s.groups_lock.release()

@@ -62,6 +62,7 @@ from pitstop.runtime.buddy import BuddyRing
 from pitstop.runtime.drain import Drain
 from pitstop.runtime.framework import Framework, first_trainable, wrap
 from pitstop.runtime.faults import Fault
+from pitstop.runtime.pipeline import Flight, Pipeline
 from pitstop.runtime.recovery import Recovery
 from pitstop.runtime.swap import find_groups, swap_groups
 from pitstop.runtime.vote import Vote
@@ -82,7 +83,8 @@ class Session:
     def __init__(self, model: Sequence[Any], optimizer, make_data: Callable[[int], Iterator], *,
                  checkpoint_dir: Optional[str] = None, framework: Optional[Framework] = None,
                  registry: Any = None, fence: Optional[pgmod.Fence] = None, membership: Optional[Membership] = None,
-                 attach_world_at_first_step: bool = False, switch_at_next_step: bool = False) -> None:
+                 attach_world_at_first_step: bool = False, switch_at_next_step: bool = False,
+                 async_commit: Optional[bool] = None) -> None:
         self.m: Membership = membership if membership is not None else require_current()
         if framework is None:
             raise PitstopError("Session(framework=None): the session is handed its library's adapter; make it "
@@ -122,6 +124,7 @@ class Session:
         self.iter_s: List[float] = []
         """This rank's committed iterations, in seconds (loop body, without the boundary)."""
         self._t_step = 0.0
+        self._step_wait_seen = 0.0
         self._last = 0
         self._provisional = 0
         """Steps since the last vote (``commit_interval`` > 1): run, not yet committed."""
@@ -147,7 +150,27 @@ class Session:
         self._fire: Optional[Callable[[str], None]] = None
         if self.faults:
             self._arm_faults()
+        self.pipe: Optional[Pipeline] = self._pipeline(self.cfg.async_commit if async_commit is None else async_commit)
+        """The asynchronous commit (``async_commit``), or None: each boundary waits for its vote."""
         self.watcher = Watcher(self, self.recovery, self.drain).start()
+
+    def _pipeline(self, wanted: bool) -> Optional[Pipeline]:
+        if not (wanted and self.controlled):
+            return None
+        exchange = self.cfg.buddy and len(self.ring.group()[0]) > 1
+        if exchange and self.ring.private_ring() is None:
+            self.info("the boundary votes synchronously: the shard group %s has no communicator of the buddy "
+                      "ring's own (a composite group)", self.fw.shard_kind)
+            return None
+        conn = self.m.take_connection()
+        if conn is None:
+            log.warning("%s the boundary votes synchronously: no spare store connection for the vote's thread",
+                        self.prefix())
+            return None
+        vote = Vote(self.ch.sibling(conn), conn, self.layout.world_size, self.fence, self.cfg.collective_timeout_s * 2)
+        pipe = Pipeline(self.ring, vote, self.rank, exchange)
+        pipe.hold_step(self.fw.state_writers(self.model, self.optimizer))
+        return pipe
 
     # ------------------------------------------------------------------ what the pieces read
     @property
@@ -159,6 +182,19 @@ class Session:
     def buddy_s(self) -> float:
         """Seconds spent exchanging buddy copies."""
         return self.ring.seconds
+
+    @property
+    def background_cpu_s(self) -> float:
+        """CPU seconds the asynchronous commit's thread spent (pack, exchange, vote): work off
+        the boundary, but on this process's cores all the same."""
+        return self.pipe.cpu_s if self.pipe is not None else 0.0
+
+    @property
+    def discarded(self) -> bool:
+        """Whether the last :meth:`commit` discarded its step (the loop yields it, or an earlier
+        one, again). Not the same as an empty return: a step between votes, or one whose vote
+        is still in flight, returns nothing yet and goes on."""
+        return self._committed is False
 
     # ------------------------------------------------------------------ helpers
     def prefix(self) -> str:
@@ -254,8 +290,9 @@ class Session:
         - ``[]`` between votes, and when the step was discarded (``steps`` then yields the
           first discarded step again, after recovery).
 
-        The list is truthy exactly when something was committed, so ``if session.commit(step):``
-        reads as before at ``commit_interval`` 1."""
+        With ``async_commit`` a boundary returns what the *previous* vote made final, and a step's
+        own report comes back one boundary later (the last step votes at once, so nothing is
+        left behind). Whether this step was discarded is :attr:`discarded`."""
         step = self.step if step is None else step
         if not self.controlled:
             iter_s = time.perf_counter() - self._t_step
@@ -269,7 +306,11 @@ class Session:
         try:
             t0 = time.perf_counter()
             final = self._boundary(step, report)
-            self.boundary_s.append((step, time.perf_counter() - t0))
+            held = 0.0
+            if self.pipe is not None:  # the optimizer's wait for the pack is the boundary's cost too
+                held, self._step_wait_seen = self.pipe.step_wait_s - self._step_wait_seen, self.pipe.step_wait_s
+                self.hook_s += held
+            self.boundary_s.append((step, time.perf_counter() - t0 + held))
             return final
         except Exception as exc:
             # the store answers every boundary: if it is gone, the controller died. Stop
@@ -283,6 +324,8 @@ class Session:
         iter_s = t0 - self._t_step
         if self._new_gen:  # the first step after a roster change: is the joiner up to speed?
             self._report_iteration(iter_s)
+        if self.pipe is not None:
+            return self._boundary_async(step, report, t0, iter_s)
         if not self.cfg.votes_at(step, self._last):
             return self._pass(step, report, t0, iter_s)
         recording = sandbox.recording()
@@ -321,6 +364,88 @@ class Session:
         self.recovery.recover(step)
         self._committed = False
         return []
+
+    def _boundary_async(self, step: int, report: Any, t0: float, iter_s: float) -> List[Tuple[int, Any]]:
+        """The boundary with the asynchronous commit (:mod:`pitstop.runtime.pipeline`): land the
+        vote launched at the last boundary, then capture this step and launch its vote (or hold
+        it, between votes). Returns what the landed vote made final."""
+        pipe = self.pipe
+        self._provisional += 1  # this step ran; it is final once a vote says so
+        self.steps_committed += 1
+        self.iter_s.append(iter_s)
+        self._new_gen = False
+        final: List[Tuple[int, Any]] = []
+        switch_now = False
+        if pipe.flight is not None:
+            self.fence.armed = True  # a wait on a broken ring gives up once the fault is announced
+            f = pipe.land()
+            self.fence.armed = False
+            if not Verdict.commits(f.verdict):
+                return self._discard(step, f, [])
+            final = self._landed(f)
+            switch_now = f.verdict == Verdict.SWITCH_NEXT
+        else:
+            self.fence.armed = False
+        if not (switch_now or self.cfg.votes_at(step, self._last)):
+            if self.fence.poisoned and not self._poison_told:  # as _pass: tell the controller now
+                self._poison_told = True
+                self.vote.tell_poisoned(self.gen, step - self._provisional + 1, self.rank)
+            self._held.append((step, report))
+            return self._went_on(final, t0)
+        window = self._redeliver + self._held + [(step, report)]
+        self._held, self._redeliver = [], []
+        poisoned = self.fence.poisoned
+        recording = sandbox.recording()
+        now = poisoned or recording or step == 1 or step >= self._last or \
+            (self.cfg.save_interval > 0 and step % self.cfg.save_interval == 0)
+        mode = "switch" if switch_now else "now" if now else "ahead"
+        with sandbox.paused():
+            cap = self.ring.capture(step, pgmod.world_group().seq, self._wire_reports(window))
+        f = pipe.launch(Flight(step, self.gen, window, self._provisional, cap, poisoned, mode))
+        if mode == "ahead":
+            return self._went_on(final, t0)
+        self.fence.armed = True
+        f = pipe.land()
+        self.fence.armed = False
+        if recording:  # the record of iteration 1 is complete (kept only if the step was)
+            sandbox.finish_recording(self.ch, Verdict.commits(f.verdict), self.layout)
+        if not Verdict.commits(f.verdict):
+            return self._discard(step, f, final)
+        final += self._landed(f)
+        if self.cfg.save_interval and step % self.cfg.save_interval == 0:
+            self._save(step, cap.reports)
+        if f.verdict == Verdict.SWITCH:
+            self.drain.committed(step)
+        if self.cfg.warmup and self.cfg.hold_for_warm_s and self.m.mode == "worker" and self.m.epoch == 0 \
+                and step == 1:
+            self._hold_for_warm()
+        return self._went_on(final, t0)
+
+    def _landed(self, f: Flight) -> List[Tuple[int, Any]]:
+        """A vote committed: its state is the rollback point and its peer's the buddy copy."""
+        self.ring.keep(f.snap, f.received)
+        self._provisional -= f.nsteps
+        if self._provisional == 0:
+            self._poison_told = False
+        self.registry.reap()
+        if self._fire is not None:
+            self._fire("committed", f.step)
+        return f.window
+
+    def _discard(self, step: int, f: Flight, final: List[Tuple[int, Any]]) -> List[Tuple[int, Any]]:
+        """A landed vote was poisoned: every step since the last committed one is discarded,
+        this one included, and the loop redoes them once recovery is done. ``final``: what the
+        vote landed earlier at this boundary made final (the one before a synchronous vote)."""
+        self.info("step %d discarded (%s)", f.step, f.verdict[:120])
+        self.recovery.recover(step)
+        self._committed = False
+        return final
+
+    def _went_on(self, final: List[Tuple[int, Any]], t0: float) -> List[Tuple[int, Any]]:
+        self.hook_s += time.perf_counter() - t0
+        memory.boundary()
+        self._committed = True
+        return final
 
     def _pass(self, step: int, report: Any, t0: float, iter_s: float) -> List[Tuple[int, Any]]:
         """A boundary between votes (``commit_interval`` > 1): no store, no copy, no wait.
@@ -462,9 +587,10 @@ class Session:
     def _arm_faults(self) -> None:
         module, points = self.fw.fault_points(self.model, self.optimizer)
 
-        def fire(phase: str) -> None:
+        def fire(phase: str, step: Optional[int] = None) -> None:
+            at = self.step if step is None else step  # "committed" is a landed vote's step
             for f in self.faults:
-                if self.step == f.step and phase == f.phase:
+                if at == f.step and phase == f.phase:
                     self.ch.put(keys.FAULT_FIRED, {"time": time.time()}, own=False)
                     self.info("fault injector: signal %s in phase %s", f.sig, phase)
                     f.fire()

@@ -167,6 +167,35 @@ def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] =
     with what the script gave for each. A joiner that takes this state over hands them back
     (:func:`pitstop.runtime.reports.of_snapshot`): the process it replaces may have died
     before it logged them."""
+    return pack(optimizer, capture(step, world_seq, extra, reports), out)
+
+
+@dataclass
+class Capture:
+    """What a boundary must read at once, before the next step draws random numbers: the RNG
+    streams, the library's extra state, the reports. The shard itself is read by :func:`pack`,
+    which may run later, in another thread, as long as the optimizer has not stepped since
+    (:mod:`pitstop.runtime.pipeline` holds the next ``optimizer.step`` until it has)."""
+
+    step: int
+    world_seq: int
+    rng: Dict[str, Any]
+    reports: Optional[list] = None
+
+
+def capture(step: int, world_seq: int = 0, extra: Optional[Dict[str, Any]] = None,
+            reports: Optional[list] = None) -> Capture:
+    rng = rng_state()
+    if "tracker" in rng:  # the tracker's dict holds its live state tensors: keep this boundary's
+        rng["tracker"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in rng["tracker"].items()}
+    if extra:
+        rng["extra"] = extra
+    return Capture(step, world_seq, rng, reports)
+
+
+def pack(optimizer, cap: Capture, out: Optional[torch.Tensor] = None) -> Snapshot:
+    """The snapshot of :func:`capture`'s boundary: the shard's bytes (into ``out`` when its size
+    fits) and the captured streams in their JSON wire form."""
     items = _shard_items(optimizer)
     layout = [(n, tuple(t.shape), str(t.dtype).replace("torch.", ""), key) for n, t, _, key in items]
     flats = [t.detach().reshape(-1).view(torch.uint8) for _, t, _, _ in items]
@@ -175,13 +204,10 @@ def take(optimizer, step: int, world_seq: int = 0, out: Optional[torch.Tensor] =
         out = torch.empty(total, dtype=torch.uint8)
     if flats:
         torch.cat([f.cpu() for f in flats], out=out)
-    rng = rng_state()
-    if extra:
-        rng["extra"] = extra
-    enc = encode_value(rng)
-    if reports:
-        enc["reports"] = reports
-    return Snapshot(step, layout, out, json.dumps(enc).encode(), world_seq)
+    enc = encode_value(cap.rng)
+    if cap.reports:
+        enc["reports"] = cap.reports
+    return Snapshot(cap.step, layout, out, json.dumps(enc).encode(), cap.world_seq)
 
 
 def restore(optimizer, snap: Snapshot) -> Dict[str, Any]:
@@ -245,6 +271,8 @@ def encode_value(v: Any) -> Any:
                 "b64": base64.b64encode(t.reshape(-1).view(torch.uint8).numpy().tobytes()).decode()}
     if isinstance(v, np.ndarray):
         return {"$a": v.dtype.str, "shape": list(v.shape), "b64": base64.b64encode(np.ascontiguousarray(v).tobytes()).decode()}
+    if isinstance(v, (tuple, list)) and all(type(x) is int for x in v):  # random.getstate()'s 625 words
+        return {"$tuple": list(v)} if isinstance(v, tuple) else list(v)
     if isinstance(v, tuple):
         return {"$tuple": [encode_value(x) for x in v]}
     if isinstance(v, list):

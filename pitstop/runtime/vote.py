@@ -8,6 +8,12 @@
                     |                                                   (and publish `committed`)
                  wait for the slot, read it back, verify its seal
 
+Its ``mode`` says what a ready drain makes of the verdict. ``"now"``: the boundary waits for
+the vote, so ``switch`` (the drain switches after this step). ``"ahead"``: an asynchronous vote
+(:mod:`pitstop.runtime.pipeline`), read only at the next boundary, after one more step ran:
+``switch next``, and every rank votes that next step in ``"switch"`` mode, at once, which
+settles ``switch`` whatever the flag says (the drain was ready a step ago).
+
 The slot is a compare-and-set key holding a sealed verdict, so the first settler wins and
 nobody can forge one without the job's token: a poisoned rank, the last arriver, or the
 controller (which settles a dead rank's step poisoned). The vote is handed its channel, its
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -48,13 +55,24 @@ class Vote:
         """Settle ``step``'s slot poisoned now (a rank between votes tells the controller at once)."""
         self.ch.vote(keys.verdict(gen, step), Verdict.poisoned(rank, self.why()))
 
-    def __call__(self, gen: int, step: int, rank: int, poisoned: bool) -> str:
-        """Vote on ``step`` of generation ``gen``; return the settled verdict."""
+    MODES = ("now", "ahead", "switch")
+
+    def __call__(self, gen: int, step: int, rank: int, poisoned: bool, mode: str = "now",
+                 why: Optional[str] = None) -> str:
+        """Vote on ``step`` of generation ``gen``; return the settled verdict. ``why``: the reason
+        of a poisoned vote when it is not the fence's (a failed buddy exchange)."""
+        if mode not in self.MODES:
+            raise ValueError(f"vote mode {mode!r}: expected one of {', '.join(self.MODES)}")
         ch, vk = self.ch, keys.verdict(gen, step)
         if poisoned:
-            ch.vote(vk, Verdict.poisoned(rank, self.why()))
+            ch.vote(vk, Verdict.poisoned(rank, why or self.why()))
         elif ch.add(keys.arrive(gen, step), 1) == self.world_size:
-            want = Verdict.SWITCH if ch.read(keys.drain_ready(gen), protocol.FLAG) is not None else Verdict.OK
+            if mode == "switch":
+                want = Verdict.SWITCH
+            elif ch.read(keys.drain_ready(gen), protocol.FLAG) is None:
+                want = Verdict.OK
+            else:
+                want = Verdict.SWITCH_NEXT if mode == "ahead" else Verdict.SWITCH
             got = ch.vote(vk, want)
             if got == want:
                 now = time.time()

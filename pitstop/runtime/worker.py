@@ -400,9 +400,9 @@ def _freeze_heap() -> None:
 
 
 #: Spare control-store connections each controlled process opens when it joins
-#: (:attr:`Membership.connections`): a joiner's end-of-generation watch, and a drain's
-#: channel thread and hand-off pair.
-THREAD_CONNECTIONS = 3
+#: (:attr:`Membership.connections`): a joiner's end-of-generation watch, a drain's
+#: channel thread and hand-off pair, and the asynchronous vote's thread.
+THREAD_CONNECTIONS = 4
 
 
 def _open_spare_connections(store, slot: int):
@@ -509,6 +509,16 @@ def defers_groups() -> bool:
     from pitstop.pg import FENCE
 
     return _CURRENT is not None and _CURRENT.joiner and FENCE.local
+
+
+def ring_kind(shard_kind: str) -> Optional[str]:
+    """The kind whose communicators get a private twin for the buddy ring (``ring_kind`` of
+    :class:`pitstop.groups.GroupRegistry`): the shard kind, in a controlled process whose
+    boundary exchanges the buddy copy in the background (``async_commit``), else None."""
+    m = _CURRENT
+    if m is None or not m.controlled or not (m.config.async_commit and m.config.buddy):
+        return None
+    return shard_kind
 
 
 def require_current() -> Membership:

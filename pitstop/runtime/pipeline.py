@@ -1,0 +1,162 @@
+"""The asynchronous commit: a boundary's vote runs while the next step does.
+
+At ``commit_interval`` 1 a synchronous boundary packs the rollback point, exchanges it with
+the data-parallel peer and waits for every rank's vote: about a tenth of a steady step on
+this machine (``benchmarks/hook.json``). With ``async_commit`` the boundary only captures
+what cannot wait (the RNG streams) and hands the rest to one background thread; it reads
+the verdict at the next boundary, before it votes again::
+
+    training thread   step s | capture s, launch | step s+1 ........ | land s, capture s+1, launch | ...
+                                      \\            ^ optimizer.step waits until s is packed
+    pipeline thread                    pack s | exchange s (ring's own gloo group) | vote s
+
+    land s:  committed  -> s is the rollback point and the buddy copy; commit() returns s
+             poisoned   -> roll back to s-1, redo s and s+1 (s+1 ran on garbage anyway)
+             switch next-> the drain switches after s+1: every rank votes s+1 at once
+
+Why each piece is safe:
+
+- **The shard is read late.** Between two boundaries only ``optimizer.step`` writes the
+  shard (main parameters and moments; the forward and backward write activations and
+  gradients). So :meth:`Pipeline.hold_step` wraps the optimizer's ``step`` (and DeepSpeed's)
+  to wait until the pack is done. The RNG streams are read at the boundary itself.
+- **The exchange has a communicator of its own** (:attr:`pitstop.groups.Entry.ring`): two
+  threads issuing operations on one gloo group would pair them differently on each rank.
+- **The vote has a store connection of its own**: a c10d client holds its lock for the
+  whole of a blocking wait, and the training thread's client serves the step's other calls.
+- **The window is the controller's as before**: a rank is at most one boundary past its
+  last vote, and reads that vote before it votes again, so the steps a failure can discard
+  are still those from the last committed step to the next vote
+  (:meth:`~pitstop.runtime.config.RuntimeConfig.discard_window`).
+
+A boundary that must know its own verdict before the loop goes on votes synchronously: the
+first step (its record warms the standbys), a checkpoint step, the last step, a step whose
+fence is already poisoned, and the step a drain switches after.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+from pitstop.runtime import state
+from pitstop.runtime.buddy import BuddyRing
+from pitstop.runtime.vote import Vote
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Flight:
+    """One boundary's vote, in the background."""
+
+    step: int
+    gen: int
+    window: List[Tuple[int, Any]]
+    """The (step, report) pairs this vote makes final: the held steps and its own."""
+    nsteps: int
+    """The steps this process ran that the vote decides (its window, less a joiner's hand-back)."""
+    cap: state.Capture
+    poisoned: bool
+    mode: str
+    packed: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    snap: Optional[state.Snapshot] = None
+    received: Optional[state.Snapshot] = None
+    verdict: Optional[str] = None
+    error: Optional[BaseException] = None
+    cpu_s: float = 0.0
+    """CPU seconds the pipeline thread spent on it (pack, exchange, vote): the work taken off
+    the boundary, which still runs on this process's cores."""
+
+
+class Pipeline:
+    """The session's asynchronous commit (see the module docstring). Handed the ring and a
+    :class:`Vote` over its own store connection; owns its thread and the flight in the air."""
+
+    def __init__(self, ring: BuddyRing, vote: Vote, rank: int, exchange: bool) -> None:
+        self.ring = ring
+        self.vote = vote
+        self.rank = rank
+        self.exchange = exchange
+        """Whether the ring exchanges (a buddy and a ring of two or more); else only the vote."""
+        self.flight: Optional[Flight] = None
+        self.cpu_s = 0.0
+        """CPU seconds of the pipeline thread over every landed flight."""
+        self.step_wait_s = 0.0
+        """Seconds ``optimizer.step`` waited for a pack (counted into the boundary's cost)."""
+        self._q: "queue.Queue[Optional[Flight]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="pitstop-commit", daemon=True)
+        self._thread.start()
+
+    def launch(self, f: Flight) -> Flight:
+        if self.flight is not None:
+            raise RuntimeError(f"pipeline: step {f.step} launched while step {self.flight.step} is in flight")
+        self.flight = f
+        self._q.put(f)
+        return f
+
+    def land(self) -> Flight:
+        """Wait for the flight in the air; it is no longer in the air afterwards. Raises what
+        its thread raised (a store gone: the caller's controller-lost path)."""
+        f = self.flight
+        if f is None:
+            raise RuntimeError("pipeline: nothing in flight to land")
+        f.done.wait()
+        self.flight = None
+        self.cpu_s += f.cpu_s
+        if f.error is not None:
+            raise f.error
+        return f
+
+    def wait_packed(self) -> None:
+        """Before the optimizer steps: the flight's shard must be packed (see the module docstring)."""
+        f = self.flight
+        if f is not None and not f.packed.is_set():
+            t0 = time.perf_counter()
+            f.packed.wait()
+            self.step_wait_s += time.perf_counter() - t0
+
+    def hold_step(self, targets: List[Tuple[Any, str]]) -> None:
+        """Wrap each (object, method) that writes the shard so that it waits for the pack."""
+        for obj, name in targets:
+            orig = getattr(obj, name)
+
+            def held(*a, _orig: Callable = orig, **k):
+                self.wait_packed()
+                return _orig(*a, **k)
+
+            setattr(obj, name, held)
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        while True:
+            f = self._q.get()
+            if f is None:
+                return
+            self._run(f)
+
+    def _run(self, f: Flight) -> None:
+        t_cpu = time.thread_time()
+        try:
+            try:
+                f.snap = self.ring.pack(f.cap)
+            finally:
+                f.packed.set()
+            why = None
+            if self.exchange:  # a poisoned rank still takes part: its peers wait for it
+                f.received, why = self.ring.exchange_behind(f.snap, f.gen)
+            f.verdict = self.vote(f.gen, f.step, self.rank, f.poisoned or why is not None, f.mode, why)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread at landing
+            f.error = exc
+        finally:
+            f.cpu_s = time.thread_time() - t_cpu
+            f.done.set()
+
+    def close(self) -> None:
+        self._q.put(None)
+
