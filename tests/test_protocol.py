@@ -358,3 +358,48 @@ def test_the_sessions_vote_commits_poisons_switches_and_refuses_a_forged_slot():
     st.set(ch.private(keys.verdict(1, 1)), b"ok")
     got = [votes[r](1, 1, r, False) for r in range(2)]   # two of three arrive: they wait on the slot
     assert got == [Verdict.poisoned(None, "the verdict does not verify")] * 2
+
+
+def test_an_asynchronous_vote_defers_a_drain_switch_to_the_next_step_which_all_vote_at_once():
+    """``async_commit``: a vote read one boundary late must not say ``switch`` (every rank ran
+    another step meanwhile). With a drain ready, the ``ahead`` vote settles ``switch next``,
+    publishes the commit but no switch; the next step's ``switch`` vote settles ``switch`` and
+    publishes it at that step. A poisoned vote carries the reason it is given (a failed buddy
+    exchange, not the fence's), and an unknown mode is refused by name."""
+    import threading
+
+    import torch.distributed as dist
+
+    from pitstop.pg.fence import Fence
+    from pitstop.protocol import Verdict
+    from pitstop.runtime.vote import Vote
+    from pitstop.store import host_store
+
+    st = host_store("127.0.0.1", 0, timedelta(seconds=10))
+    clients = [dist.TCPStore("127.0.0.1", st.port, is_master=False, timeout=timedelta(seconds=10)) for _ in range(2)]
+    votes = [Vote(Channel(c, TOKEN), c, 2, Fence(), timeout_s=10.0) for c in clients]
+    ch = Channel(st, TOKEN)
+
+    def round_(gen: int, step: int, mode: str, why=(None, None)) -> list:
+        got: list = [None] * 2
+        ts = [threading.Thread(target=lambda r=r: got.__setitem__(
+            r, votes[r](gen, step, r, why[r] is not None, mode, why[r]))) for r in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(20)
+        return got
+
+    assert round_(0, 1, "ahead") == [Verdict.OK] * 2  # no drain: an ahead vote is a plain commit
+    ch.put(keys.drain_ready(0), {"set": True})
+    assert round_(0, 2, "ahead") == [Verdict.SWITCH_NEXT] * 2
+    assert Verdict.commits(Verdict.SWITCH_NEXT)
+    assert ch.read(keys.COMMITTED, protocol.COMMITTED)["step"] == 2
+    assert ch.read(keys.drain_switch(0), protocol.DRAIN_SWITCH) is None
+    assert round_(0, 3, "switch") == [Verdict.SWITCH] * 2
+    assert ch.read(keys.drain_switch(0), protocol.DRAIN_SWITCH)["step"] == 3
+
+    got = round_(1, 1, "ahead", why=(None, "buddy exchange on pitstop:g1:dp+ring: Connection reset by peer"))
+    assert got == [Verdict.poisoned(1, "buddy exchange on pitstop:g1:dp+ring: Connection reset by peer")] * 2
+    with pytest.raises(ValueError, match="vote mode 'later': expected one of now, ahead, switch"):
+        votes[0](1, 2, 0, False, "later")

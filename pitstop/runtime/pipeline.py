@@ -30,8 +30,12 @@ Why each piece is safe:
   (:meth:`~pitstop.runtime.config.RuntimeConfig.discard_window`).
 
 A boundary that must know its own verdict before the loop goes on votes synchronously: the
-first step (its record warms the standbys), a checkpoint step, the last step, a step whose
-fence is already poisoned, and the step a drain switches after.
+first step (its record warms the standbys), a checkpoint step, the last step, and the step a
+drain switches after. The choice depends on the step alone, so every rank makes the same one:
+a rank whose step is poisoned votes so at once (the controller learns early) but runs the next
+step too, its broken groups short-circuiting, and rolls back with the others at the next
+boundary. Recovering at once would deadlock: its healthy peers, a step ahead, would wait for
+it in that step's collectives while it waited for them in the rollback's.
 """
 
 from __future__ import annotations

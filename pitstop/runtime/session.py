@@ -395,8 +395,12 @@ class Session:
         window = self._redeliver + self._held + [(step, report)]
         self._held, self._redeliver = [], []
         poisoned = self.fence.poisoned
-        recording = sandbox.recording()
-        now = poisoned or recording or step == 1 or step >= self._last or \
+        recording = sandbox.recording()  # (step 1's: the same boundary on every rank)
+        # Whether this boundary waits for its own vote must be the same on every rank, so it
+        # depends on the step alone. A poisoned rank goes on like the others, as between votes
+        # (_pass): were it to recover at once, its healthy peers, a step ahead, would wait for it
+        # in that step's collectives while it waits for them in the rollback's.
+        now = recording or step == 1 or step >= self._last or \
             (self.cfg.save_interval > 0 and step % self.cfg.save_interval == 0)
         mode = "switch" if switch_now else "now" if now else "ahead"
         with sandbox.paused():
