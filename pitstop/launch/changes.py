@@ -54,8 +54,12 @@ def change_event(ch: Dict[str, Any], timings: Dict[str, Dict[str, Any]], iters: 
             state_s=round(max([v.get("state_s", 0) for v in stayers] + [joiner.get("state_s", 0)]), 4),
             first_step_s=after(ready),
             downtime_s=after(start),
-            # from the first discarded step to the first commit after it: 1 at commit_interval 1
-            steps_redone=None if t_commit is None or committed_step is None else int(committed_step) - ch["step"] + 1,
+            # the steps the stayers threw away and ran again (their report; with async_commit one
+            # more than the window: the step run while the vote was in flight), else from the first
+            # discarded step to the first commit after it
+            steps_redone=max(v["discarded"] for v in stayers if "discarded" in v)
+            if any("discarded" in v for v in stayers) else
+            None if t_commit is None or committed_step is None else int(committed_step) - ch["step"] + 1,
             rebuilt=max([v.get("rebuilt", 0) for v in stayers] or [0]),
             # the joiner built its model while its groups rendezvoused; then it waited this long for them
             joiner_built_s=joiner.get("built_s"),

@@ -172,7 +172,7 @@ class Recovery:
         s.redo_from(redo)
         t_end = time.perf_counter()
         s.report(s.gen, f"r{s.rank}", seen=t_seen, rollback_s=t_roll - t0, groups_s=t_groups - t_roll,
-                 state_s=t_end - t_groups, transfer_s=t_state - t_groups, ready=time.time(),
+                 state_s=t_end - t_groups, transfer_s=t_state - t_groups, ready=time.time(), discarded=discarded,
                  rebuilt=len(report.rebuilt), kept=len(report.kept), swapped=swapped, stale=len(s.stale_refs))
         s.info("recovered: role(s) %s now played by joiners; %d groups rebuilt, %d kept, %d references swapped; "
                "%d step(s) from step %d are redone", ",".join(map(str, roles)), len(report.rebuilt), len(report.kept),

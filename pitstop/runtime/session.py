@@ -155,7 +155,7 @@ class Session:
         self.watcher = Watcher(self, self.recovery, self.drain).start()
 
     def _pipeline(self, wanted: bool) -> Optional[Pipeline]:
-        if not (wanted and self.controlled):
+        if not (wanted and self.controlled) or sandbox.active() is not None:  # (a warmup's step is thrown away)
             return None
         exchange = self.cfg.buddy and len(self.ring.group()[0]) > 1
         if exchange and self.ring.private_ring() is None:
