@@ -69,12 +69,28 @@ def test_unplanned_kill_is_bitwise_identical_and_a_stray_is_refused(reference, t
     assert_same_run(res, reference)
     rep = res.of("replaced")
     assert len(rep) == 1 and rep[0]["role"] == 5 and rep[0]["generation"] == 1 and rep[0]["step"] == 3, res.tails()
+    # async_commit: the vote on step 3 is read at the boundary after step 4, so both are redone
+    assert rep[0]["steps_redone"] == 2, rep
     # only the delta rebuilt: 9 communicators touch role 5's groups; the others kept theirs
     assert rep[0]["rebuilt"] >= 1 and rep[0]["downtime_s"] > 0, rep
     # the stray got no role and the job went on
     s = seen["stray"]
     assert s.returncode != 0 and "AuthError" in s.stderr and "refused" in s.stderr, s.stderr[-2000:]
     assert len(res.of("refused")) == 1, res.tails()
+
+
+def test_the_synchronous_commit_replaces_bitwise_like_the_asynchronous_one(reference, tmp_path):
+    """--no-async-commit: every boundary waits for its own vote, as before async_commit. The same
+    kill is redone from the same step, one step only, and the run equals the reference (made with
+    the asynchronous commit) bit for bit: the two commits are checked against each other."""
+    fault = Fault.kill(rank=5).at(step=3, phase="backward")
+    res = run_job(tmp_path / "run", STEPS, standby=1, faults=fault.spec(), launch_args=["--no-async-commit"])
+    assert_same_run(res, reference)
+    rep = res.of("replaced")
+    assert len(rep) == 1 and rep[0]["role"] == 5 and rep[0]["step"] == 3, res.tails()
+    assert rep[0]["steps_redone"] == 1, rep
+    # no pipeline thread: its CPU time is nil on every rank, and the boundary held the vote's wait
+    assert all(st["background_cpu_s"] == 0.0 for st in res.stats), [st["background_cpu_s"] for st in res.stats]
 
 
 def test_planned_drain_is_bitwise_identical(reference, tmp_path):
@@ -100,14 +116,16 @@ def _logged_steps(res) -> list:
 
 def test_a_kill_between_votes_discards_the_window_and_redoes_it_bitwise(reference, tmp_path):
     """--commit-interval 4: votes after steps 1, 4, 8 and 10. Rank 5 dies in step 6, between
-    votes: every rank runs on to the vote after step 8 (the broken groups short-circuit), the
-    whole window 5..8 is discarded and redone, and no value of it was ever reported."""
+    votes: every rank runs on to the vote after step 8 (the broken groups short-circuit), and,
+    as that vote runs in the background (async_commit), through step 9 to the boundary that
+    reads it. The whole window 5..8 and step 9 are discarded and redone, and no value of them
+    was ever reported."""
     fault = Fault.kill(rank=5).at(step=6, phase="backward")
     res = run_job(tmp_path / "run", STEPS, standby=1, faults=fault.spec(), launch_args=["--commit-interval", "4"])
     assert_same_run(res, reference)
     rep = res.of("replaced")
     assert len(rep) == 1 and rep[0]["role"] == 5 and rep[0]["step"] == 5, res.tails()
-    assert rep[0]["steps_redone"] == 4, rep  # 5, 6, 7 and 8, up to the first commit after the failure
+    assert rep[0]["steps_redone"] == 5, rep  # 5, 6, 7 and 8, and 9, run while the vote on 8 was in flight
     # every step reported once, in order: the window's garbage (a peer's broken group feeds the
     # logging rank) was held and dropped, never printed
     assert _logged_steps(res) == list(range(1, STEPS + 1)), _logged_steps(res)
@@ -115,7 +133,10 @@ def test_a_kill_between_votes_discards_the_window_and_redoes_it_bitwise(referenc
 
 def test_a_drain_switches_at_a_vote_with_a_commit_interval(reference, tmp_path):
     """Role 4 logs the losses. The leaver hands over at the vote and leaves before its loop
-    sees the window the vote made final: its joiner logs that window, each step once."""
+    sees the window the vote made final: its joiner logs that window, each step once. An
+    asynchronous vote (after step 4 or 8) is read a step late and says ``switch next``: every
+    rank votes that next step at once and switches after it; the leaver's last snapshot carries
+    both windows."""
     def during(run_dir):
         wait_for_event(run_dir, "recorded", n=2)
         request_drain(run_dir, rank=4)
@@ -125,7 +146,8 @@ def test_a_drain_switches_at_a_vote_with_a_commit_interval(reference, tmp_path):
     assert_same_run(res, reference)
     d = res.of("drained")
     assert len(d) == 1 and d[0]["role"] == 4, res.tails()
-    assert d[0]["step"] - 1 in (1, 4, 8), d  # the joiner's first step follows a vote
+    # the joiner's first step follows a vote at once (step 1, the last) or the step after one
+    assert d[0]["step"] - 1 in (1, 5, 9, 10), d
     assert _logged_steps(res) == list(range(1, STEPS + 1)), _logged_steps(res)
 
 

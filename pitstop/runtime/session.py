@@ -125,6 +125,7 @@ class Session:
         """This rank's committed iterations, in seconds (loop body, without the boundary)."""
         self._t_step = 0.0
         self._step_wait_seen = 0.0
+        self._votes_landed: List[int] = []
         self._last = 0
         self._provisional = 0
         """Steps since the last vote (``commit_interval`` > 1): run, not yet committed."""
@@ -403,9 +404,13 @@ class Session:
         now = recording or step == 1 or step >= self._last or \
             (self.cfg.save_interval > 0 and step % self.cfg.save_interval == 0)
         mode = "switch" if switch_now else "now" if now else "ahead"
+        # A vote decided at this boundary carries everything the boundary hands back, the steps
+        # landed above included: a leaver that switches here exits before its loop logs them (its
+        # joiner hands them back), and a checkpoint taken here keeps them for a restart.
+        carried = window if mode == "ahead" else final + window
         with sandbox.paused():
-            cap = self.ring.capture(step, pgmod.world_group().seq, self._wire_reports(window))
-        f = pipe.launch(Flight(step, self.gen, window, self._provisional, cap, poisoned, mode))
+            cap = self.ring.capture(step, pgmod.world_group().seq, self._wire_reports(carried))
+        f = pipe.launch(Flight(step, self.gen, carried, self._provisional, cap, poisoned, mode))
         if mode == "ahead":
             return self._went_on(final, t0)
         self.fence.armed = True
@@ -415,7 +420,7 @@ class Session:
             sandbox.finish_recording(self.ch, Verdict.commits(f.verdict), self.layout)
         if not Verdict.commits(f.verdict):
             return self._discard(step, f, final)
-        final += self._landed(f)
+        final = self._landed(f)  # (the steps landed above, and this window)
         if self.cfg.save_interval and step % self.cfg.save_interval == 0:
             self._save(step, cap.reports)
         if f.verdict == Verdict.SWITCH:
@@ -432,14 +437,14 @@ class Session:
         if self._provisional == 0:
             self._poison_told = False
         self.registry.reap()
-        if self._fire is not None:
-            self._fire("committed", f.step)
+        self._votes_landed.append(f.step)
         return f.window
 
     def _discard(self, step: int, f: Flight, final: List[Tuple[int, Any]]) -> List[Tuple[int, Any]]:
         """A landed vote was poisoned: every step since the last committed one is discarded,
         this one included, and the loop redoes them once recovery is done. ``final``: what the
         vote landed earlier at this boundary made final (the one before a synchronous vote)."""
+        self._fire_committed()
         self.info("step %d discarded (%s)", f.step, f.verdict[:120])
         self.recovery.recover(step)
         self._committed = False
@@ -449,7 +454,16 @@ class Session:
         self.hook_s += time.perf_counter() - t0
         memory.boundary()
         self._committed = True
+        self._fire_committed()
         return final
+
+    def _fire_committed(self) -> None:
+        """The fault injector's ``committed`` phase, once the boundary that landed the vote has
+        done what follows a commit (the checkpoint of a save step)."""
+        steps, self._votes_landed = self._votes_landed, []
+        if self._fire is not None:
+            for st in steps:
+                self._fire("committed", st)
 
     def _pass(self, step: int, report: Any, t0: float, iter_s: float) -> List[Tuple[int, Any]]:
         """A boundary between votes (``commit_interval`` > 1): no store, no copy, no wait.
