@@ -408,13 +408,14 @@ class Session:
         # landed above included: a leaver that switches here exits before its loop logs them (its
         # joiner hands them back), and a checkpoint taken here keeps them for a restart.
         carried = window if mode == "ahead" else final + window
-        with sandbox.paused():
-            cap = self.ring.capture(step, pgmod.world_group().seq, self._wire_reports(carried))
-        f = pipe.launch(Flight(step, self.gen, carried, self._provisional, cap, poisoned, mode))
-        if mode == "ahead":
+        cap = self.ring.capture(step, pgmod.world_group().seq, self._wire_reports(carried))
+        if mode == "ahead":  # (never while recording: that is step 1's boundary, which votes now)
+            pipe.launch(Flight(step, self.gen, carried, self._provisional, cap, poisoned, mode))
             return self._went_on(final, t0)
         self.fence.armed = True
-        f = pipe.land()
+        with sandbox.paused():  # the exchange is pitstop's own, not the script's: not in the record
+            pipe.launch(Flight(step, self.gen, carried, self._provisional, cap, poisoned, mode))
+            f = pipe.land()
         self.fence.armed = False
         if recording:  # the record of iteration 1 is complete (kept only if the step was)
             sandbox.finish_recording(self.ch, Verdict.commits(f.verdict), self.layout)
