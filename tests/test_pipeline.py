@@ -96,3 +96,25 @@ def test_a_failed_pack_releases_the_optimizer_and_raises_at_landing():
     with pytest.raises(MemoryError, match="1.26 MB"):
         pipe.land()
     assert pipe.flight is None
+
+
+def test_a_deferred_vote_waits_for_the_next_step_and_the_optimizer_releases_it():
+    """The boundary defers its vote until the loop asks for the next step (the script has then
+    logged what the boundary handed back); an optimizer step, or the landing, releases it too."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    p.grad = torch.ones(2)
+    ring = HeldRing(p)
+    ring.go.set()
+    pipe = _pipeline(ring)
+    pipe.hold_step([(opt, "step")])
+    f = pipe.defer(_flight(5))
+    time.sleep(0.2)
+    assert pipe.flight is None and not f.packed.is_set() and ring.packed_value is None  # not launched
+    with pytest.raises(RuntimeError, match="step 6 deferred while a flight is pending"):
+        pipe.defer(_flight(6))
+    opt.step()  # releases, then waits for the pack: the pack saw the boundary's state
+    assert ring.packed_value == 1.0 and float(p[0]) == 0.0
+    assert pipe.land().verdict == Verdict.OK and pipe.deferred is None and pipe.flight is None
+    pipe.defer(_flight(6))
+    assert pipe.land().step == 6  # landing a deferred flight launches it first

@@ -6,7 +6,7 @@ this machine (``benchmarks/hook.json``). With ``async_commit`` the boundary only
 what cannot wait (the RNG streams) and hands the rest to one background thread; it reads
 the verdict at the next boundary, before it votes again::
 
-    training thread   step s | capture s, launch | step s+1 ........ | land s, capture s+1, launch | ...
+    training thread   step s | capture s | log s-1, launch | step s+1 ..... | land s, capture s+1 | ...
                                       \\            ^ optimizer.step waits until s is packed
     pipeline thread                    pack s | exchange s (ring's own gloo group) | vote s
 
@@ -67,6 +67,8 @@ class Flight:
     cap: state.Capture
     poisoned: bool
     mode: str
+    redeliver: List[Tuple[int, Any]] = field(default_factory=list)
+    """The joiner's hand-back this vote carries: back to the session if the vote is discarded."""
     packed: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     snap: Optional[state.Snapshot] = None
@@ -89,6 +91,11 @@ class Pipeline:
         self.exchange = exchange
         """Whether the ring exchanges (a buddy and a ring of two or more); else only the vote."""
         self.flight: Optional[Flight] = None
+        self.deferred: Optional[Flight] = None
+        """A flight made at the boundary, launched when the loop asks for its next step
+        (:meth:`release`): only after the script has logged what that boundary handed back can
+        this vote commit, or a failure in between would lose those steps' reports (the vote's
+        snapshot, which a joiner hands back from, carries only its own window)."""
         self.cpu_s = 0.0
         """CPU seconds of the pipeline thread over every landed flight."""
         self.step_wait_s = 0.0
@@ -104,9 +111,24 @@ class Pipeline:
         self._q.put(f)
         return f
 
+    def defer(self, f: Flight) -> Flight:
+        """Launch ``f`` at :meth:`release` (the next step), not now."""
+        if self.flight is not None or self.deferred is not None:
+            raise RuntimeError(f"pipeline: step {f.step} deferred while a flight is pending")
+        self.deferred = f
+        return f
+
+    def release(self) -> None:
+        """Launch the deferred flight, if any: the loop asked for its next step, or the optimizer
+        is about to step, or the session lands it."""
+        f, self.deferred = self.deferred, None
+        if f is not None:
+            self.launch(f)
+
     def land(self) -> Flight:
         """Wait for the flight in the air; it is no longer in the air afterwards. Raises what
         its thread raised (a store gone: the caller's controller-lost path)."""
+        self.release()
         f = self.flight
         if f is None:
             raise RuntimeError("pipeline: nothing in flight to land")
@@ -119,6 +141,7 @@ class Pipeline:
 
     def wait_packed(self) -> None:
         """Before the optimizer steps: the flight's shard must be packed (see the module docstring)."""
+        self.release()
         f = self.flight
         if f is not None and not f.packed.is_set():
             t0 = time.perf_counter()

@@ -164,10 +164,16 @@ class Session:
                       "ring's own (a composite group)", self.fw.shard_kind)
             return None
         conn = self.m.take_connection()
-        if conn is None:
-            log.warning("%s the boundary votes synchronously: no spare store connection for the vote's thread",
-                        self.prefix())
-            return None
+        if conn is None:  # never fall back alone: every rank must vote the same way at every step
+            import os
+
+            from pitstop.store import ENV_STORE, connect
+
+            try:
+                conn = connect(os.environ[ENV_STORE])
+            except Exception as exc:  # noqa: BLE001 - any failure to connect
+                raise PitstopError(f"{self.prefix()} async_commit: no spare store connection for the vote's thread, "
+                                   f"and opening one failed: {exc}") from exc
         vote = Vote(self.ch.sibling(conn), conn, self.layout.world_size, self.fence, self.cfg.collective_timeout_s * 2)
         pipe = Pipeline(self.ring, vote, self.rank, exchange)
         pipe.hold_step(self.fw.state_writers(self.model, self.optimizer))
@@ -247,6 +253,8 @@ class Session:
         self._last = last
         step = self.first_step
         while step <= last:
+            if self.pipe is not None:  # the script has logged what the last boundary handed back
+                self.pipe.release()
             self.drain.switch_if_due()
             self.step = step
             self._committed = None
@@ -377,7 +385,14 @@ class Session:
         self._new_gen = False
         final: List[Tuple[int, Any]] = []
         switch_now = False
+        pipe.release()  # (a script whose loop is not steps(): its deferred vote goes now)
         if pipe.flight is not None:
+            if self.fence.poisoned and not self._poison_told:
+                # a failure in this step: the vote in the air is not in yet if the lost rank never
+                # voted, so say so now (a settled vote is not changed), and the controller suspects
+                # a silent machine at once (_watch_poison) instead of after the heartbeat timeout
+                self._poison_told = True
+                self.vote.tell_poisoned(self.gen, pipe.flight.step, self.rank)
             self.fence.armed = True  # a wait on a broken ring gives up once the fault is announced
             f = pipe.land()
             self.fence.armed = False
@@ -393,7 +408,8 @@ class Session:
                 self.vote.tell_poisoned(self.gen, step - self._provisional + 1, self.rank)
             self._held.append((step, report))
             return self._went_on(final, t0)
-        window = self._redeliver + self._held + [(step, report)]
+        redeliver = self._redeliver
+        window = redeliver + self._held + [(step, report)]
         self._held, self._redeliver = [], []
         poisoned = self.fence.poisoned
         recording = sandbox.recording()  # (step 1's: the same boundary on every rank)
@@ -409,12 +425,13 @@ class Session:
         # joiner hands them back), and a checkpoint taken here keeps them for a restart.
         carried = window if mode == "ahead" else final + window
         cap = self.ring.capture(step, pgmod.world_group().seq, self._wire_reports(carried))
+        flight = Flight(step, self.gen, carried, self._provisional, cap, poisoned, mode, redeliver)
         if mode == "ahead":  # (never while recording: that is step 1's boundary, which votes now)
-            pipe.launch(Flight(step, self.gen, carried, self._provisional, cap, poisoned, mode))
+            pipe.defer(flight)  # launched when the loop asks for the next step (see Pipeline.deferred)
             return self._went_on(final, t0)
         self.fence.armed = True
         with sandbox.paused():  # the exchange is pitstop's own, not the script's: not in the record
-            pipe.launch(Flight(step, self.gen, carried, self._provisional, cap, poisoned, mode))
+            pipe.launch(flight)
             f = pipe.land()
         self.fence.armed = False
         if recording:  # the record of iteration 1 is complete (kept only if the step was)
@@ -448,6 +465,7 @@ class Session:
         self._fire_committed()
         self.info("step %d discarded (%s)", f.step, f.verdict[:120])
         self.recovery.recover(step)
+        self._redeliver = f.redeliver + self._redeliver  # not handed back yet: the redone vote carries it
         self._committed = False
         return final
 
