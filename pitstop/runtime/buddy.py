@@ -218,18 +218,11 @@ class BuddyRing:
         because this rank holds no buddy copy of that step. Touches neither the fence's arming
         (the training thread's) nor its verdict: only the ring's own group says if it broke."""
         ranks, group = self.private_ring()
-        t0 = time.perf_counter()
-        nxt, prv = self.neighbours(ranks, self.rank)
         try:
-            got = self.wire.exchange(
-                snap, gen, lambda out, inp: _sendrecv(out, inp, nxt, prv, group),
-                lambda out: dist.isend(out, nxt, group=group), lambda inp: dist.irecv(inp, prv, group=group),
-                lambda: bool(getattr(group, "broken", False)))
+            got = self._swap(snap, gen, ranks, group, lambda: bool(getattr(group, "broken", False)))
         except Exception as exc:  # noqa: BLE001 - a dead peer (disarmed fence), or a message that does not parse
             self.wire.gen = None
             return None, f"buddy exchange on {getattr(group, 'uid', group)}: {str(exc).splitlines()[0][:300]}"
-        finally:
-            self.seconds += time.perf_counter() - t0
         if got is None:
             return None, f"buddy exchange on {getattr(group, 'uid', group)}: the ring's group broke"
         return got, None
@@ -244,15 +237,22 @@ class BuddyRing:
         if not self.cfg.buddy or len(ranks) == 1:
             return snap, None
         # a poisoned rank still takes part (its peers wait for it); broken groups short-circuit
+        self.fence.armed = True
+        got = self._swap(snap, self.registry.generation, ranks, group, lambda: self.fence.poisoned)
+        return snap, (None if self.fence.poisoned else got)
+
+    def _swap(self, snap: Snapshot, gen: int, ranks: List[int], group: dist.ProcessGroup,
+              poisoned: Callable[[], bool]) -> Optional[Snapshot]:
+        """One exchange of ``snap`` along ``ranks`` on ``group`` (see :class:`BuddyWire`)."""
         t0 = time.perf_counter()
         nxt, prv = self.neighbours(ranks, self.rank)
-        self.fence.armed = True
-        got = self.wire.exchange(
-            snap, self.registry.generation, lambda out, inp: _sendrecv(out, inp, nxt, prv, group),
-            lambda out: dist.isend(out, nxt, group=group), lambda inp: dist.irecv(inp, prv, group=group),
-            lambda: self.fence.poisoned)
-        self.seconds += time.perf_counter() - t0
-        return snap, (None if self.fence.poisoned else got)
+        try:
+            return self.wire.exchange(
+                snap, gen, lambda out, inp: _sendrecv(out, inp, nxt, prv, group),
+                lambda out: dist.isend(out, nxt, group=group), lambda inp: dist.irecv(inp, prv, group=group),
+                poisoned)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
     def keep(self, snap: Snapshot, received: Optional[Snapshot]) -> None:
         """The vote committed: ``snap`` is the rollback point, ``received`` (if any) the buddy copy."""

@@ -40,18 +40,16 @@ it in that step's collectives while it waited for them in the rollback's.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from pitstop.runtime import state
 from pitstop.runtime.buddy import BuddyRing
+from pitstop.runtime.framework import wrap
 from pitstop.runtime.vote import Vote
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,7 +98,7 @@ class Pipeline:
         """CPU seconds of the pipeline thread over every landed flight."""
         self.step_wait_s = 0.0
         """Seconds ``optimizer.step`` waited for a pack (counted into the boundary's cost)."""
-        self._q: "queue.Queue[Optional[Flight]]" = queue.Queue()
+        self._q: "queue.Queue[Flight]" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="pitstop-commit", daemon=True)
         self._thread.start()
 
@@ -151,21 +149,12 @@ class Pipeline:
     def hold_step(self, targets: List[Tuple[Any, str]]) -> None:
         """Wrap each (object, method) that writes the shard so that it waits for the pack."""
         for obj, name in targets:
-            orig = getattr(obj, name)
-
-            def held(*a, _orig: Callable = orig, **k):
-                self.wait_packed()
-                return _orig(*a, **k)
-
-            setattr(obj, name, held)
+            wrap(obj, name, self.wait_packed)
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
-        while True:
-            f = self._q.get()
-            if f is None:
-                return
-            self._run(f)
+        while True:  # a daemon: it ends with the process
+            self._run(self._q.get())
 
     def _run(self, f: Flight) -> None:
         t_cpu = time.thread_time()
@@ -183,7 +172,4 @@ class Pipeline:
         finally:
             f.cpu_s = time.thread_time() - t_cpu
             f.done.set()
-
-    def close(self) -> None:
-        self._q.put(None)
 
