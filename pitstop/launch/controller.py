@@ -716,7 +716,9 @@ class Controller:
     def _failure(self, lost: Dict[int, tuple], t_detect: float) -> None:
         roles = sorted(lost)
         reason = "; ".join(f"role {r}: {lost[r][1]}" for r in roles)
-        g = self.roster.generation
+        # lost before every role said hello (a process that died or went silent at start-up):
+        # no roster yet, so no step either, and the restart below starts the job over
+        g = self.roster.generation if self.roster is not None else self.generation
         stamp = self.ch.read(keys.FAULT_FIRED, protocol.STAMP)
         fired = None if stamp is None else float(stamp["time"])
         self.store.delete_key(keys.FAULT_FIRED)

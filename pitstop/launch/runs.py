@@ -60,13 +60,14 @@ class JobResult:
 def run_job(run_dir: Path, steps: int, standby: int = 0, faults: str = "", launch_args: Optional[List[str]] = None,
             during: Optional[Callable[[Path], None]] = None, timeout: float = 600,
             script_args: Optional[List[str]] = None, nproc: int = 8, gpt: Optional[List[str]] = None,
-            env: Optional[Dict[str, str]] = None) -> JobResult:
+            env: Optional[Dict[str, str]] = None, wrap: Optional[List[str]] = None) -> JobResult:
     """Launch, optionally act on the running job (``during(run_dir)``), wait for the end.
     ``gpt`` replaces the default script and layout (``GPT``); ``env`` adds to the job's
-    environment (``TORCH_LOGS``)."""
+    environment (``TORCH_LOGS``); ``wrap`` goes in front of the launcher's command (a test
+    that runs the whole job inside a namespace of its own)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     loss_file = run_dir / "loss.jsonl"
-    cmd = PITSTOP + ["launch", "--nproc-per-node", str(nproc), "--standby", str(standby), "--run-dir", str(run_dir)]
+    cmd = (wrap or []) + PITSTOP + ["launch", "--nproc-per-node", str(nproc), "--standby", str(standby), "--run-dir", str(run_dir)]
     cmd += (launch_args or []) + ["--"] + (gpt or GPT) + ["--steps", str(steps), "--loss-file", str(loss_file)] \
         + _data_cache(gpt or GPT, run_dir) + (script_args or [])
     job_env = dict(os.environ, **(env or {}), PITSTOP_FAULT=faults)

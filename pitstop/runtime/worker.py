@@ -170,8 +170,8 @@ class Heartbeat(_StoreThread):
     only matters when that thread is stuck, so nothing waits forever.
     """
 
-    def __init__(self, slot: int, interval_s: float, main: Channel) -> None:
-        super().__init__(f"pitstop-heartbeat-{slot}", main)  # what the process owns is reasserted at every beat
+    def __init__(self, slot: int, interval_s: float, main: Channel, conn: Optional[dist.Store] = None) -> None:
+        super().__init__(f"pitstop-heartbeat-{slot}", main, conn)  # what the process owns is reasserted at every beat
         self.slot = slot
         self.beats = 0
         self.interval_s = interval_s
@@ -459,8 +459,14 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
     store = connect_from_env(timeout=timedelta(seconds=max(300.0, cfg.collective_timeout_s)), mirrored=True)
     ch = Channel(store, token, _log_refused)
     standby = os.environ.get(ENV_STANDBY) == "1"
+    # The heartbeat's connection opens before the hello: the controller counts this process's
+    # silence from its admission, and a new connection can take the resolver's timeout (5 s)
+    # when the client's reverse lookup of its own address goes unanswered (c10d names both
+    # ends of a new socket; seen as a worker declared hung, silent 5.0 s, before its first
+    # beat). Opened first, the first beat follows the verdict within one store round trip.
+    hb_conn = store_mod.connect(os.environ[ENV_STORE], timeout=timedelta(seconds=30), mirrored=True)
     slot = _authenticate(ch, standby, None if standby else int(os.environ["RANK"]))
-    hb = Heartbeat(slot, cfg.heartbeat_interval_s, ch).start()
+    hb = Heartbeat(slot, cfg.heartbeat_interval_s, ch, hb_conn).start()
     raw = ConnectionPool(store)
     raw.reserve(THREAD_CONNECTIONS)
     epoch = int(os.environ.get(ENV_EPOCH, 0))
