@@ -63,3 +63,31 @@ def test_calibrate_refuses_bad_input_before_starting_anything(tmp_path, argv, wo
     for w in words:
         assert w in res.stderr, res.stderr
     assert not out.exists()
+
+
+@pytest.mark.timeout(300)
+def test_the_table_keeps_each_entrys_mean_and_the_bench_can_replay_its_median_beside_it():
+    """The replay sums operation costs, so the table holds the mean of the repetitions; the
+    median, fastest and slowest of the same repetitions come back in ``stats``, and the
+    bench's median table (``median_table``) is the same calibration with the medians in."""
+    from pitstop.bench.emulation import median_table
+    from pitstop.emulation.calibrate import calibrate_topology
+    from pitstop.emulation.topology import from_dict
+
+    stats = {}
+    data = calibrate_topology(group_sizes=(2,), sizes=(4096, 65536), repeats=5, stats=stats)
+    table = data["intra_node"]["table"]
+    assert set(stats) == OPS, stats
+    for op, rows in table.items():
+        for b, t in rows["2"]:
+            s = stats[op]["2"][b]
+            assert s["n"] == 5 and t == s["mean"], (op, b, t, s)
+            assert s["min"] <= s["median"] <= s["max"] and s["min"] <= s["mean"] <= s["max"], s
+    med = median_table(data, stats)
+    assert med["name"] == data["name"] + "-median"
+    for op, rows in med["intra_node"]["table"].items():
+        assert rows["2"] == [[b, stats[op]["2"][b]["median"]] for b in (4096, 65536)], (op, rows)
+    assert med["inter_node"]["table"] == med["intra_node"]["table"]
+    assert table == data["inter_node"]["table"] and table["all_reduce"]["2"][0][1] == stats["all_reduce"]["2"][4096]["mean"]
+    topo = from_dict(med, "median table")  # a topology the emulator loads
+    assert topo.cost("all_reduce", [0, 1], 4096) == stats["all_reduce"]["2"][4096]["median"]

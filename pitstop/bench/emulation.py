@@ -7,7 +7,10 @@
                    backend, group or tracer; rank 0's median loop-body time per run, then the
                    median over runs (real_median_s) and their spread (real_spread_pct)
     calibration    pitstop calibrate: this machine's gloo costs per (op, group size, bytes),
-                   measured by programs of their own before any row runs
+                   measured by programs of their own before any row runs; the table keeps
+                   each entry's mean (the replay sums costs). The same repetitions' medians
+                   make a second table, replayed beside it (``replayed_median_table_s``)
+                   through ``--what-if topology=``: which statistic predicts better, in one run
     emulation      pitstop emulate --world-size 2 --real-ranks 0 --topology <calibrated>: rank 0
                    real, rank 1 virtual, as a user runs it; nothing is fitted to the run it predicts
 
@@ -63,6 +66,22 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
 }
 GOALS = {"avg_error_pct": 0.5, "overhead_pct": 10.0}
 REPEATS = 5
+#: Repetitions per calibration entry: a small collective here costs its transfer or that plus a
+#: scheduler slice (~3.5 ms), so its mean needs more samples than ``pitstop calibrate``'s default.
+CALIBRATION_REPEATS = 60
+
+
+def median_table(data: Dict[str, Any], stats: Dict[str, Any]) -> Dict[str, Any]:
+    """The calibrated topology ``data`` with each table entry's median in place of its mean
+    (the same repetitions), named ``<name>-median``: the bench replays both side by side."""
+    out = json.loads(json.dumps(data))
+    out["name"] = f"{data['name']}-median"
+    out["doc"] = "the same calibration as " + data["name"] + ", each table entry the median of its repetitions"
+    table = {op: {n: [[int(b), s["median"]] for b, s in sorted(rows.items(), key=lambda kv: int(kv[0]))]
+                  for n, rows in by_n.items()} for op, by_n in stats.items()}
+    for link in ("intra_node", "inter_node"):
+        out[link]["table"] = table
+    return out
 
 
 def torchrun(run_dir: Path, argv: List[str], nproc: int, timeout: float) -> Dict[int, Dict[str, Any]]:
@@ -96,17 +115,29 @@ def _median_after_first(xs: Sequence[float]) -> float:
 
 
 def fidelity_row(run_dir: Path, config: str, steps: int, timeout: float, topology: str,
-                 repeats: int = REPEATS) -> Dict[str, Any]:
+                 repeats: int = REPEATS, median_topology: Optional[str] = None) -> Dict[str, Any]:
+    from pitstop.emulation.whatif import WhatIf
+
     c = CONFIGS[config]
     argv = [SCRIPT, *c["args"], "--steps", str(steps), "--pin-core"]
     d = run_dir / config
     plain = argv + ["--megatron-groups", "--checksum"]
     runs = [_median_after_first(torchrun(d / f"real-{i}", plain, 2, timeout)[0]["iter_s"]) for i in range(repeats)]
     real_mem = torchrun(d / "real-memory", plain + ["--track-memory"], 2, timeout)
-    report = emulate(EmulateSpec(2, c["tp"], c["pp"], [0], argv, d / "emulate", topology=topology, timeout_s=timeout))
+    # both tables replayed the same way (the what-if's steady median), so only the statistic differs
+    whatifs = [WhatIf.parse(f"topology={topology}"), WhatIf.parse(f"topology={median_topology}")] \
+        if median_topology else []
+    report = emulate(EmulateSpec(2, c["tp"], c["pp"], [0], argv, d / "emulate", topology=topology, timeout_s=timeout,
+                                 what_if=whatifs))
     rep = report["ranks"][0]
     real = statistics.median(runs)
     err = 100 * (rep["iter_s"] - real) / real
+    extra: Dict[str, Any] = {}
+    if median_topology:
+        mean, med = (next(r for r in w["ranks"] if r["rank"] == 0)["iter_s"] for w in report["what_if"])
+        extra = {"replayed_mean_table_s": mean, "replayed_median_table_s": med,
+                 "replayed_error_pct": round(abs(100 * (mean - real) / real), 3),
+                 "replayed_median_table_error_pct": round(abs(100 * (med - real) / real), 3)}
     return {
         "config": config,
         "ground_truth": "torchrun",
@@ -120,7 +151,42 @@ def fidelity_row(run_dir: Path, config: str, steps: int, timeout: float, topolog
         "real_peak_bytes": real_mem[0]["peak_tensor_bytes"],
         "emulated_peak_bytes": rep["peak_tensor_bytes"],
         "peak_equal": real_mem[0]["peak_tensor_bytes"] == rep["peak_tensor_bytes"],
+        **extra,
     }
+
+
+def op_cost_rows(run_dir: Path, config: str, steps: int, timeout: float, topology: str) -> Dict[str, Any]:
+    """Each collective of one job's step, its cost inside a real training run beside the
+    calibration's price for the same (operation, group size, bytes).
+
+    The training side is ``pitstop emulate --trace-all``: both ranks real, each collective timed
+    on rank 0 from its issue to its return (the peer's late arrival included, which the replay
+    models apart). It shows where a fidelity row's error comes from; nothing here feeds a
+    prediction."""
+    from pitstop.emulation import topology as topo
+
+    c = CONFIGS[config]
+    argv = [SCRIPT, *c["args"], "--steps", str(steps), "--pin-core"]
+    out = run_dir / config / "trace-all"
+    emulate(EmulateSpec(2, c["tp"], c["pp"], [0], argv, out, topology=topology, timeout_s=timeout,
+                        trace_ranks=[0, 1], memory=False))
+    iters = json.loads((out / "traces" / "r0.measured.json").read_text())["iterations"][1:]
+    t = topo.load(topology)
+    seen: Dict[tuple, List[float]] = {}
+    for it in iters:
+        for op, n, nbytes, secs in it:
+            if n >= 2:
+                seen.setdefault((op, int(n), int(nbytes)), []).append(float(secs))
+    rows = []
+    for (op, n, nbytes), v in sorted(seen.items()):
+        priced = t.cost(op, list(range(n)), nbytes)
+        mean = statistics.fmean(v)
+        rows.append({"op": op, "group_size": n, "bytes": nbytes, "per_step": round(len(v) / len(iters), 2),
+                     "in_training_mean_s": round(mean, 6), "in_training_median_s": round(statistics.median(v), 6),
+                     "calibrated_s": round(priced, 6), "calibrated_over_training": round(priced / mean, 3)})
+    return {"config": config, "steps_measured": len(iters), "rows": rows,
+            "comm_per_step_in_training_s": round(sum(r["in_training_mean_s"] * r["per_step"] for r in rows), 6),
+            "comm_per_step_calibrated_s": round(sum(r["calibrated_s"] * r["per_step"] for r in rows), 6)}
 
 
 #: What-if rows: a recorded emulation replayed at another dp, against plain runs of that world.
@@ -290,21 +356,33 @@ def run(run_dir: Path, steps: int = 10, configs: Sequence[str] = tuple(CONFIGS),
         run_dir.mkdir(parents=True, exist_ok=True)
         topo = run_dir / "calibrated.json"
         tc = time.perf_counter()
-        data = calibrate_topology(group_sizes=(2,), command="pitstop bench emulation (pitstop calibrate --group-sizes 2)")
+        stats: Dict[str, Any] = {}
+        data = calibrate_topology(group_sizes=(2,), repeats=CALIBRATION_REPEATS, stats=stats,
+                                  command=f"pitstop bench emulation (pitstop calibrate --group-sizes 2 "
+                                          f"--repeats {CALIBRATION_REPEATS})")
         topo.write_text(json.dumps(data, indent=1) + "\n")
+        median_topo = run_dir / "calibrated-median.json"
+        median_topo.write_text(json.dumps(median_table(data, stats), indent=1) + "\n")
         out["calibration"] = {"topology": str(topo), "seconds": round(time.perf_counter() - tc, 1),
-                              "table": data["intra_node"]["table"]}
-        rows = [fidelity_row(run_dir, c, steps, timeout, str(topo), repeats) for c in configs]
+                              "repeats": CALIBRATION_REPEATS, "statistic": "mean",
+                              "table": data["intra_node"]["table"],
+                              "median_table": median_table(data, stats)["intra_node"]["table"]}
+        rows = [fidelity_row(run_dir, c, steps, timeout, str(topo), repeats, str(median_topo)) for c in configs]
         out["fidelity"] = rows
         avg = statistics.mean(r["error_pct"] for r in rows)
         floor = statistics.median(r["real_spread_pct"] for r in rows)
         out["fidelity_summary"] = {
             "avg_error_pct": round(avg, 3), "goal_avg_error_pct": GOALS["avg_error_pct"],
+            "avg_replayed_error_pct": round(statistics.mean(r["replayed_error_pct"] for r in rows), 3),
+            "avg_replayed_median_table_error_pct":
+                round(statistics.mean(r["replayed_median_table_error_pct"] for r in rows), 3),
             "error_met": avg <= GOALS["avg_error_pct"], "peaks_equal": all(r["peak_equal"] for r in rows),
             "repeats": repeats, "noise_floor_pct": round(floor, 3),
             # the goal can be told from noise only where the real runs agree more closely than it
             "goal_measurable": floor <= GOALS["avg_error_pct"],
         }
+    if "tp2" in configs:
+        out["op_costs"] = op_cost_rows(run_dir, "tp2", steps, timeout, str(topo))
     if configs and what_if:
         out["what_if"] = what_if_rows(run_dir, steps, timeout, str(topo), out["fidelity"], repeats)
     costs = None

@@ -171,8 +171,13 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
     repetition starts after a barrier, every rank stamps its own start and end with
     ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for every process of the host), and the
     cost is the last end minus the last start. ``send`` is half a ping-pong's round trip
-    between ranks 0 and 1. Rank 0 keeps the median over the repetitions (a loaded host's
-    typical cost, which is what a training step meets, not its fastest)."""
+    between ranks 0 and 1. Rank 0 keeps the *mean* over the repetitions: the replay adds
+    these costs up, and a sum of n operations is n times their mean. The median is the
+    wrong statistic for a sum here: on this shared host one operation takes either its
+    transfer time or that plus a scheduler time slice (~3.5 ms, when the peer's thread waits
+    for its core), and the median jumped between the two modes from one calibration to the
+    next (4 KiB all_reduce: 3.47 ms in one, 0.08 ms in another), which moved a TP2 step's
+    prediction by 100 %. The median, fastest and slowest are kept beside it (``stats``)."""
     import statistics
     import time
 
@@ -229,7 +234,10 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
                     if k >= warmup:
                         times.append(float(stamp[1] - stamp[0]))
                 if rank == 0:
-                    out[op][size] = statistics.median(times)
+                    out[op][size] = statistics.fmean(times)
+                    out.setdefault("stats", {}).setdefault(op, {})[size] = {
+                        "mean": statistics.fmean(times), "median": statistics.median(times),
+                        "min": min(times), "max": max(times), "n": len(times)}
                     if op == "send":  # the fitted line's point: the lower envelope (see calibrate_topology)
                         out.setdefault("send_fastest", {})[size] = min(times)
         # building one communicator, as a replacement's delta groups are built: pitstop's
@@ -260,14 +268,17 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
 def measure_tables(group_sizes: Sequence[int] = (2,), sizes: Sequence[int] = TABLE_SIZES,
                    ops: Sequence[str] = TABLE_OPS, repeats: int = 20, warmup: int = 3,
                    pin: bool = True, group_build: Optional[Dict[str, float]] = None,
-                   send_fastest: Optional[Dict[int, float]] = None) -> Dict[str, Dict[int, List[List[float]]]]:
+                   send_fastest: Optional[Dict[int, float]] = None,
+                   stats: Optional[Dict[str, Dict[str, Dict[int, Dict[str, float]]]]] = None
+                   ) -> Dict[str, Dict[int, List[List[float]]]]:
     """Measure this machine's gloo costs per (operation, group size, bytes), nccl-tests style:
     real processes (torch.multiprocessing, spawn) meeting through a ``TCPStore(port=0)``, one
     world per group size. Returns the file form of a link's ``table``
     (:mod:`pitstop.emulation.topology`): ``{op: {group size: [[bytes, seconds], ...]}}``.
     ``group_build``, when given, is filled with the seconds one communicator took to build,
     per group size (the topology's ``group_build_s``: 1 and every size in ``group_sizes``);
-    ``send_fastest`` with the fastest ``send`` per size (bytes -> seconds)."""
+    ``send_fastest`` with the fastest ``send`` per size (bytes -> seconds); ``stats`` with
+    every entry's mean, median, fastest, slowest and count (``{op: {group size: {bytes: ...}}}``)."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -291,6 +302,9 @@ def measure_tables(group_sizes: Sequence[int] = (2,), sizes: Sequence[int] = TAB
         got = json.loads(store.get(f"{_TABLE_KEY}/{n}"))
         builds.update(got.pop("group_build", {}))
         fastest = got.pop("send_fastest", {})
+        for op, rows in got.pop("stats", {}).items():
+            if stats is not None and not (op == "send" and n != 2):
+                stats.setdefault(op, {})[str(n)] = {int(b): v for b, v in rows.items()}
         if send_fastest is not None and n == 2:
             send_fastest.update({int(b): t for b, t in fastest.items()})
         for op, rows in got.items():
@@ -304,16 +318,18 @@ def measure_tables(group_sizes: Sequence[int] = (2,), sizes: Sequence[int] = TAB
 
 def calibrate_topology(name: str = "cpu-gloo-calibrated", group_sizes: Sequence[int] = (2,),
                        sizes: Sequence[int] = TABLE_SIZES, repeats: int = 20, gpus_per_node: int = 8,
-                       command: str = "pitstop calibrate") -> Dict[str, Any]:
+                       command: str = "pitstop calibrate",
+                       stats: Optional[Dict[str, Dict[str, Dict[int, Dict[str, float]]]]] = None) -> Dict[str, Any]:
     """A topology file (its dict form) for this machine: the measured tables, and an alpha and
     a bandwidth fitted to the fastest ``send`` per size (used for what the tables lack). Every rank shares
-    the host, so both link classes are the same loopback link and ``gpus_per_node`` is nominal."""
+    the host, so both link classes are the same loopback link and ``gpus_per_node`` is nominal.
+    ``stats``, when given, is filled as :func:`measure_tables` fills it."""
     from pitstop.emulation.topology import from_dict
 
     builds: Dict[str, float] = {}
     fastest: Dict[int, float] = {}
-    table = measure_tables(group_sizes, sizes, repeats=repeats, group_build=builds, send_fastest=fastest)
-    # the line is fitted to the fastest send per size, not the median the table keeps: other
+    table = measure_tables(group_sizes, sizes, repeats=repeats, group_build=builds, send_fastest=fastest, stats=stats)
+    # the line is fitted to the fastest send per size, not the mean the table keeps: other
     # load on the host only ever adds time, and a burst during the few repeats of one small
     # size made its median 15x the next size's (a clean clone's test, 3 repeats: 1.9 ms at
     # 4 KiB, 0.12 ms at 256 KiB), so the fit refused a line that falls with size
@@ -324,7 +340,7 @@ def calibrate_topology(name: str = "cpu-gloo-calibrated", group_sizes: Sequence[
     data = {
         "name": name,
         "doc": ("gloo over 127.0.0.1, measured per (operation, group size, bytes) by pitstop calibrate: "
-                f"median of {repeats} repetitions after a barrier, from the last member's start to the last "
+                f"mean of {repeats} repetitions after a barrier, from the last member's start to the last "
                 "member's end; send is half a ping-pong. alpha_s and bandwidth_bytes_per_s are fitted to send's "
                 "fastest repetition per size (other load only adds time). Every rank shares the host: intra_node and "
                 "inter_node are the same link and gpus_per_node is nominal."),

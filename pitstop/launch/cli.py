@@ -146,7 +146,7 @@ def _parser(more: Optional[Callable] = None) -> argparse.ArgumentParser:
     ca.add_argument("--group-sizes", default="2", metavar="N,N,...", help="world sizes to measure, each >= 2 (default 2)")
     ca.add_argument("--sizes", default=None, metavar="B,B,...",
                     help="message sizes in bytes (default 4 KiB to 16 MiB, every 4x)")
-    ca.add_argument("--repeats", type=_count(1), default=20, help="timed repetitions per (op, size); the median is kept")
+    ca.add_argument("--repeats", type=_count(1), default=20, help="timed repetitions per (op, size); their mean is kept (the replay sums costs)")
     ca.add_argument("--gpus-per-node", type=_count(1), default=8)
 
     return p
