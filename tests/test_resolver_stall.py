@@ -99,6 +99,31 @@ def test_the_stall_is_real_a_new_store_connection_waits_the_resolvers_timeout(sl
     assert sum(b"in-addr" in q for q in seen) >= 2, seen
 
 
+def test_a_live_store_is_reachable_while_every_lookup_is_late_and_a_dead_one_is_not(slow_resolver):
+    """``pitstop.store.reachable`` decides whether a worker stops as 'controller lost'. It
+    allows 1 s here, the answer comes 3 s late: a c10d client said False for a live store
+    (before the fix, after 3.0 s); a plain TCP connection says True at once."""
+    import torch.distributed as dist
+
+    wrap, _ = slow_resolver
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    dead = probe.getsockname()[1]
+    probe.close()  # nothing listens there now
+    code = ("import time; from pitstop.store import reachable; "
+            f"t = time.monotonic(); a = reachable('127.0.0.1:{master.port}', 1.0); t1 = time.monotonic(); "
+            f"b = reachable('127.0.0.1:{dead}', 1.0); print(a, b, t1 - t)")
+    out = subprocess.run(wrap + [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    live, gone, took = out.stdout.split()
+    assert (live, gone) == ("True", "False"), out.stdout
+    assert float(took) < 1.0, took
+    master.set("still", "here")
+    assert master.get("still") == b"here"
+
+
 @pytest.mark.timeout(240)
 def test_a_job_whose_every_new_connection_stalls_is_never_called_hung(slow_resolver, tmp_path):
     """Each new connection takes 3 s, the heartbeat timeout is 2.5 s: the job still trains to
