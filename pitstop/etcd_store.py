@@ -269,6 +269,15 @@ class EtcdStore(dist.Store):
         a plain one, also for a mirrored store (its users are rendezvous, not polling loops)."""
         return EtcdStore(self.host, self.port, self.prefix, self._timeout, self._request_timeout_s)
 
+    def release(self) -> None:
+        """Let go of a client that was never handed to c10d (a one-off check): out of
+        :data:`_ALIVE`, its HTTP session closed. Without it each check kept one for good."""
+        try:
+            _ALIVE.remove(self)
+        except ValueError:
+            pass
+        self._client.session.close()
+
     def reachable(self) -> bool:
         try:
             self._post("/maintenance/status", {})

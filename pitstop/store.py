@@ -97,23 +97,63 @@ def connect(spec: str, timeout: timedelta = timedelta(minutes=5), mirrored: bool
     return dist.TCPStore(host, port, is_master=False, timeout=timeout)
 
 
-def reachable(spec: str, timeout_s: float = 2.0) -> bool:
-    """Whether the store at ``spec`` still answers, on a fresh connection (a broken connection
-    of this process does not answer for the server).
+#: What a c10d client's reverse lookup of its own socket may add to a reachability check: glibc's
+#: resolver waits 5 s for an answer and asks twice (``timeout:5 attempts:2``).
+LOOKUP_ALLOWANCE_S = 10.0
 
-    For a ``TCPStore`` that is a plain TCP connection to its port, opened and closed: a dead
-    controller refuses it at once. Not a c10d client: a new client names its own socket with
-    a reverse DNS lookup, and where that answer is lost the resolver waits 5 s, past this
-    check's 2 s, so a live store was judged gone (measured with a DNS server answering 3 s
-    late: ``reachable`` said False after 3.0 s; ``tests/test_resolver_stall.py``)."""
+
+def reachable(spec: str, timeout_s: float = 2.0, lookup_allowance_s: float = LOOKUP_ALLOWANCE_S) -> bool:
+    """Whether the store at ``spec`` still answers a request, on a fresh connection (a broken
+    connection of this process does not answer for the server). A worker that gets False
+    stops as "controller lost", so a live store must never get it.
+
+    ``TCPStore``, in two stages:
+
+    1. a plain TCP connection to its port, within ``timeout_s``: a dead controller refuses it
+       at once (a c10d client would retry a refusal until its timeout);
+    2. a c10d client, which sends a request and waits for the answer (a frozen controller's
+       kernel still accepts connections), within ``timeout_s + lookup_allowance_s``: the new
+       client names its own socket with a reverse DNS lookup before its first request, and
+       where that answer is lost the resolver waits 5 s. With 2 s for both, a live store was
+       judged gone (measured with a DNS server answering 3 s late: False after 3.0 s;
+       ``tests/test_resolver_stall.py``).
+
+    etcd: its status request, bounded by ``timeout_s``; the client is closed after it."""
     try:
-        backend, host, port, _ = parse_spec(spec)
+        backend, host, port, prefix = parse_spec(spec)
         if backend == "etcd":
-            return connect(spec, timeout=timedelta(seconds=timeout_s)).reachable()
+            from pitstop.etcd_store import EtcdStore
+
+            st = EtcdStore(host, port, prefix, timeout=timedelta(seconds=timeout_s), request_timeout_s=timeout_s)
+            try:
+                return st.reachable()
+            finally:
+                st.release()
         with socket.create_connection((host, port), timeout=timeout_s):
-            return True
+            pass
     except Exception:  # noqa: BLE001 - refused, reset or timed out: gone either way
         return False
+    return _answers(host, port, timeout_s + lookup_allowance_s)
+
+
+def _answers(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a new c10d client of the ``TCPStore`` at ``host:port`` is answered within
+    ``timeout_s``. The client runs in a thread of its own, which is left behind if it does
+    not return: against a stopped server (SIGSTOP) the client's constructor did not return
+    within a minute, whatever its own timeout (measured here)."""
+    got: list = []
+
+    def probe() -> None:
+        try:
+            dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            got.append(True)
+        except Exception:  # noqa: BLE001 - refused, reset or timed out
+            got.append(False)
+
+    t = threading.Thread(target=probe, name="pitstop-store-probe", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return bool(got and got[0])
 
 
 def connect_from_env(timeout: timedelta = timedelta(minutes=5), mirrored: bool = False) -> dist.Store:

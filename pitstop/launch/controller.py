@@ -723,9 +723,10 @@ class Controller:
         fired = None if stamp is None else float(stamp["time"])
         self.store.delete_key(keys.FAULT_FIRED)
         self._read_committed()
-        if self.committed is None:
+        if self.committed is None or self.roster is None:
             # lost before the first step committed: the others may be stuck in a world
-            # operation of their set-up, and there is no state to keep. Start over.
+            # operation of their set-up, and there is no state to keep. Start over. (No
+            # roster means no step either: a commit read then is a stale one.)
             self.events.write("failure", role=roles[0], roles=roles, reason=reason, step=0, generation=g)
             self.restarts.restart_all(None, roles[0], reason, t_detect, fired)
             return
