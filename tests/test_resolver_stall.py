@@ -1,4 +1,4 @@
-"""A resolver that never answers must not get a process called hung.
+"""A resolver that answers late must not get a live process called hung, nor a live store gone.
 
 c10d's store client names both ends of every new socket (``getnameinfo`` on a v4-mapped
 ``::ffff:127.0.0.1``, which ``/etc/hosts`` does not match), so each new connection asks the
@@ -11,9 +11,8 @@ the controller admitted it was silent that long from its admission, and was decl
 The test runs a whole job in a mount namespace whose ``/etc/resolv.conf`` points at a DNS
 server of its own that answers every query (NXDOMAIN), 4.5 s late: every new connection takes
 4.5 s, longer than the job's heartbeat timeout (4 s, which leaves a loaded 2-core machine
-room for an ordinary pause). (A server that never answers is no
-test: after one timeout glibc fails that process's later lookups at once.) It needs root
-(the namespace, port 53)."""
+room for an ordinary pause). A server that never answers is no test: after one timeout glibc
+fails that process's later lookups at once. It needs root (the namespace, port 53)."""
 
 import os
 import shutil
