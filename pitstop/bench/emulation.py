@@ -367,12 +367,13 @@ def run(run_dir: Path, steps: int = 10, configs: Sequence[str] = tuple(CONFIGS),
                                   command=f"pitstop bench emulation (pitstop calibrate --group-sizes 2 "
                                           f"--repeats {CALIBRATION_REPEATS})")
         topo.write_text(json.dumps(data, indent=1) + "\n")
+        median = median_table(data, stats)
         median_topo = run_dir / "calibrated-median.json"
-        median_topo.write_text(json.dumps(median_table(data, stats), indent=1) + "\n")
+        median_topo.write_text(json.dumps(median, indent=1) + "\n")
         out["calibration"] = {"topology": str(topo), "seconds": round(time.perf_counter() - tc, 1),
                               "repeats": CALIBRATION_REPEATS, "statistic": "mean",
                               "table": data["intra_node"]["table"],
-                              "median_table": median_table(data, stats)["intra_node"]["table"]}
+                              "median_table": median["intra_node"]["table"]}
         rows = [fidelity_row(run_dir, c, steps, timeout, str(topo), repeats, str(median_topo)) for c in configs]
         out["fidelity"] = rows
         avg = statistics.mean(r["error_pct"] for r in rows)

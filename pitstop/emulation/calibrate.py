@@ -176,8 +176,9 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
     wrong statistic for a sum here: on this shared host one operation takes either its
     transfer time or that plus a scheduler time slice (~3.5 ms, when the peer's thread waits
     for its core), and the median jumped between the two modes from one calibration to the
-    next (4 KiB all_reduce: 3.47 ms in one, 0.08 ms in another), which moved a TP2 step's
-    prediction by 100 %. The median, fastest and slowest are kept beside it (``stats``)."""
+    next (4 KiB all_reduce, three calibrations in a row: 0.24, 3.67 and 3.35 ms), and the
+    replayed TP2 step with it (0.091 s after one calibration, 0.194 s after another). The
+    median, fastest and slowest are kept beside it (``stats``)."""
     import statistics
     import time
 
@@ -238,8 +239,6 @@ def _table_worker(rank: int, n: int, port: int, ops: Sequence[str], sizes: Seque
                     out.setdefault("stats", {}).setdefault(op, {})[size] = {
                         "mean": statistics.fmean(times), "median": statistics.median(times),
                         "min": min(times), "max": max(times), "n": len(times)}
-                    if op == "send":  # the fitted line's point: the lower envelope (see calibrate_topology)
-                        out.setdefault("send_fastest", {})[size] = min(times)
         # building one communicator, as a replacement's delta groups are built: pitstop's
         # new_comm (members only, a fresh store prefix each) over n ranks, and in every
         # world over 1 too (every rank its own, as a joiner's singleton groups)
@@ -301,12 +300,11 @@ def measure_tables(group_sizes: Sequence[int] = (2,), sizes: Sequence[int] = TAB
         mp.spawn(_table_worker, args=(n, store.port, list(ops), sizes, repeats, warmup, pin), nprocs=n, join=True)
         got = json.loads(store.get(f"{_TABLE_KEY}/{n}"))
         builds.update(got.pop("group_build", {}))
-        fastest = got.pop("send_fastest", {})
         for op, rows in got.pop("stats", {}).items():
             if stats is not None and not (op == "send" and n != 2):
                 stats.setdefault(op, {})[str(n)] = {int(b): v for b, v in rows.items()}
-        if send_fastest is not None and n == 2:
-            send_fastest.update({int(b): t for b, t in fastest.items()})
+            if op == "send" and n == 2 and send_fastest is not None:  # the fitted line's points
+                send_fastest.update({int(b): v["min"] for b, v in rows.items()})
         for op, rows in got.items():
             if op == "send" and n != 2:
                 continue  # one message is between two ranks whatever the world
