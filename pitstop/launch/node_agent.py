@@ -72,7 +72,7 @@ class NodeAgent:
     """The loop of one machine's agent (see the module docstring)."""
 
     def __init__(self, node: int, addr: str, nproc: int, argv: Sequence[str], run_dir: Path, store_spec: str,
-                 token: str, heartbeat_interval_s: float = 0.5) -> None:
+                 token: str, heartbeat_interval_s: float = 0.5, agent: Optional[Agent] = None) -> None:
         if not token:
             raise PitstopError("a machine's agent needs the job token: set PITSTOP_JOB_TOKEN to the same secret "
                                "on every machine (for example exported before srun)")
@@ -81,7 +81,9 @@ class NodeAgent:
         self.interval = heartbeat_interval_s
         self.store = connect(store_spec)
         self.ch = Channel(self.store, token, lambda k, r: log.warning("[node %d] refused %s: %s", node, k, r))
-        self.agent = Agent(Path(run_dir))
+        self.agent = agent if agent is not None else Agent(Path(run_dir))
+        """Starts and watches this machine's processes (the scale harness hands in one that runs
+        simulated ranks as threads, with the same methods)."""
         self.names: Dict[str, Proc] = {}
         self.next_cmd = 1
         self.beats = 0

@@ -262,7 +262,8 @@ def _log_refused(key: str, reason: str) -> None:
     log.warning("refused %s: %s", key, reason)
 
 
-def _authenticate(ch: Channel, standby: bool, rank: Optional[int], timeout_s: float = 120.0) -> int:
+def _authenticate(ch: Channel, standby: bool, rank: Optional[int], timeout_s: float = 120.0,
+                  slot: Optional[int] = None, host: Optional[str] = None, pid: Optional[int] = None) -> int:
     """Prove the job token to the controller; returns this process's slot.
 
     A process the controller started knows its slot (``PITSTOP_SLOT``) and says hello
@@ -270,11 +271,13 @@ def _authenticate(ch: Channel, standby: bool, rank: Optional[int], timeout_s: fl
     token, so it proves possession without the token crossing the store. It is sent
     again every second until a verdict comes, so a hello overwritten by junk is not
     lost. A verdict that does not verify is ignored, except a plain refusal, which
-    only stops this process."""
-    hello = {"pid": os.getpid(), "host": os.environ.get("PITSTOP_NODE_HOST") or socket.gethostname(),
+    only stops this process. ``slot``, ``host`` and ``pid`` default to this process's own
+    (the environment's); the scale harness's simulated ranks, many to a process, pass theirs."""
+    hello = {"pid": pid or os.getpid(), "host": host or os.environ.get("PITSTOP_NODE_HOST") or socket.gethostname(),
              "standby": standby, "rank": rank}
-    if os.environ.get(ENV_SLOT):
+    if slot is None and os.environ.get(ENV_SLOT):
         slot = int(os.environ[ENV_SLOT])
+    if slot is not None:
         hk, vk = keys.join(slot, "hello"), keys.join(slot, "verdict")
     else:
         slot = -1
@@ -292,15 +295,15 @@ def _authenticate(ch: Channel, standby: bool, rank: Optional[int], timeout_s: fl
                 v = protocol.open_(ch.token, vk, raw, protocol.JOIN_VERDICT)
             except Refused as exc:
                 if raw.startswith(b"refused:"):
-                    raise AuthError(f"the controller refused this process (pid {os.getpid()}, {hk}): "
+                    raise AuthError(f"the controller refused this process (pid {hello['pid']}, {hk}): "
                                     f"{raw.decode(errors='replace')[:300]}") from None
                 ch.refuse(vk, exc.reason, raw)
             else:
                 if not v["ok"]:
-                    raise AuthError(f"the controller refused this process (pid {os.getpid()}, {hk}): refused: {v.get('reason')}")
+                    raise AuthError(f"the controller refused this process (pid {hello['pid']}, {hk}): refused: {v.get('reason')}")
                 return int(v.get("slot", slot))
         time.sleep(0.02)
-    raise AuthError(f"no verdict on {vk} within {timeout_s:.0f}s (pid {os.getpid()}): is the controller alive?")
+    raise AuthError(f"no verdict on {vk} within {timeout_s:.0f}s (pid {hello['pid']}): is the controller alive?")
 
 
 def _wait_assignment(ch: Channel, slot: int, world: int, pool: Optional[ConnectionPool] = None) -> Optional[dict]:
