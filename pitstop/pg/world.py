@@ -2,7 +2,10 @@
 
 It has no mesh of connections: barrier and the rare small world collective go through
 the control store, keyed by a sequence number. So a process can take over a role without
-any world-wide rebuild, which a gloo or NCCL world group would need."""
+any world-wide rebuild, which a gloo or NCCL world group would need.
+
+No operation goes all-to-all through the store: each costs O(N) store operations in all,
+O(1) per rank and O(N) keys for one (see :meth:`StoreWorldGroup._combine`)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from pitstop.errors import GroupError
-from pitstop.protocol import Refused, open_raw, seal_raw
+from pitstop.protocol import MAGIC_RAW, Refused, open_raw, seal_raw
 from pitstop.store import SharedConnection
 from pitstop.pg.base import DoneWork, _Abandoned, _backend_work, _op
 from pitstop.pg.fence import FENCE, GuardedGroup
@@ -26,6 +29,17 @@ from pitstop.pg import tap as tapmod
 log = logging.getLogger(__name__)
 
 WORLD_BACKEND = "pitstop_world"
+
+#: The largest value a ``TCPStore`` takes (its libuv server's payload limit; one byte more and
+#: the server resets the connection). A world operation whose value would not fit is refused
+#: with a :class:`GroupError` naming the sizes, on every rank, before anything is written.
+MAX_VALUE_BYTES = 8 * 1024 * 1024
+
+#: What :func:`seal_raw` adds to a value: ``ps1r.<64 hex>.``
+SEAL_OVERHEAD = len(MAGIC_RAW) + 65
+
+# The first byte of a combined value (``<op>/out``): the result follows, or the gatherer's error.
+_OK, _FAILED = b"\x00", b"\x01"
 
 
 def _reduce(op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -60,6 +74,11 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def _concat(parts: List[torch.Tensor]) -> bytes:
+    """An all-gather's combined value: the parts' bytes end to end, in rank order."""
+    return b"".join(_raw(p) for p in parts)
+
+
 class StoreWorldGroup(dist.ProcessGroup):
     """The default group: rank and size of the world, collectives through the store.
 
@@ -85,6 +104,8 @@ class StoreWorldGroup(dist.ProcessGroup):
         """Rank 0 records results for joiners' set-up replay until the first boundary
         (:meth:`stop_recording`); later operations would only pile up in the store."""
         self._can_delete = True
+        self._multi_get = True
+        """False once the store turned ``multi_get`` down: reads go key by key."""
         from pitstop import store as _store
 
         self._token = _store.JOB_TOKEN
@@ -138,7 +159,22 @@ class StoreWorldGroup(dist.ProcessGroup):
     # --- helpers -------------------------------------------------------------
     def _put(self, key: str, data: bytes) -> None:
         """Values are sealed with the job token when there is one (see :class:`pitstop.store.SealedStore`)."""
-        self._store.set(key, data if self._token is None else seal_raw(self._token, key, bytes(data)))
+        value = data if self._token is None else seal_raw(self._token, key, bytes(data))
+        if len(value) > MAX_VALUE_BYTES:  # the operations check first (_fits); this is the last guard
+            raise GroupError(f"world group rank {self.rank()}: the value for {key!r} is {len(value)} bytes, "
+                             f"over the store's limit of {MAX_VALUE_BYTES} bytes (8 MiB)")
+        self._store.set(key, value)
+
+    def _fits(self, what: str, nbytes: int, detail: str) -> None:
+        """Refuse, before anything is written, an operation whose value would be over the
+        store's limit: every rank knows the sizes (they come from the tensors' shapes), so
+        every rank refuses alike instead of one resetting its connection and the rest waiting."""
+        stored = 1 + nbytes + (0 if self._token is None else SEAL_OVERHEAD)
+        if stored > MAX_VALUE_BYTES:
+            raise GroupError(
+                f"world {what} through the store: its value would be {stored} bytes ({detail}), over the "
+                f"store's limit of {MAX_VALUE_BYTES} bytes (8 MiB); the world group is for small tensors"
+            )
 
     def _get(self, key: str) -> bytes:
         raw = self._store.get(key)
@@ -146,6 +182,30 @@ class StoreWorldGroup(dist.ProcessGroup):
             return raw
         try:
             return open_raw(self._token, key, raw)
+        except Refused as exc:
+            raise GroupError(f"world group rank {self.rank()}: {exc}") from None
+
+    def _get_many(self, keys: List[str]) -> List[bytes]:
+        """The values of ``keys`` (which exist), in one request where the store has ``multi_get``
+        (a TCPStore, and a Python store under c10d's PrefixStore through c10d's per-key default);
+        else one ``get`` per key."""
+        raws = None
+        if self._multi_get:
+            try:
+                raws = self._store.multi_get(keys)
+            except (AttributeError, NotImplementedError):
+                self._multi_get = False
+            except RuntimeError as exc:  # c10d's trampoline with nothing to route to
+                if "pure virtual" not in str(exc) and "Not implemented" not in str(exc):
+                    raise
+                self._multi_get = False
+                log.debug("world group: the store has no multi_get (%s); reading key by key", exc)
+        if raws is None:
+            raws = [self._store.get(k) for k in keys]
+        if self._token is None:
+            return list(raws)
+        try:
+            return [open_raw(self._token, k, r) for k, r in zip(keys, raws)]
         except Refused as exc:
             raise GroupError(f"world group rank {self.rank()}: {exc}") from None
 
@@ -229,30 +289,72 @@ class StoreWorldGroup(dist.ProcessGroup):
                 f"{self._timeout.total_seconds():.0f}s ({len(keys)} keys): {exc}"
             ) from exc
 
-    def _finish(self, op: str, keys: List[str]) -> None:
-        if self._store.add(f"{op}/done", 1) == self.size() and self._can_delete:
-            for k in keys + [f"{op}/done"]:
-                try:
-                    self._store.delete_key(k)
-                except RuntimeError as exc:
-                    # a Python store (etcd) under torch's own C++ PrefixStore: c10d's trampoline
-                    # does not route deleteKey to it. The keys stay (each operation has its own
-                    # names, so nothing reads them again); world operations are rare.
-                    if "pure virtual" not in str(exc):
-                        raise
-                    self._can_delete = False
-                    log.debug("world group: the store cannot delete through c10d's PrefixStore; keys are kept")
-                    return
+    def _delete(self, keys: List[str]) -> None:
+        for k in keys:
+            if not self._can_delete:
+                return
+            try:
+                self._store.delete_key(k)
+            except RuntimeError as exc:
+                # a Python store (etcd) under torch's own C++ PrefixStore: c10d's trampoline
+                # does not route deleteKey to it. The keys stay (each operation has its own
+                # names, so nothing reads them again); world operations are rare.
+                if "pure virtual" not in str(exc):
+                    raise
+                self._can_delete = False
+                log.debug("world group: the store cannot delete through c10d's PrefixStore; keys are kept")
 
-    def _exchange(self, op: str, t: torch.Tensor) -> List[torch.Tensor]:
+    def _finish(self, op: str, keys: List[str], own: Optional[str] = None) -> None:
+        """Clean up once this rank has read what it needs: ``own`` (a key only this rank
+        still needed) at once, and ``keys`` by whichever rank is the last to finish."""
+        if own is not None:
+            self._delete([own])
+        if self._store.add(f"{op}/done", 1) == self.size():
+            self._delete(keys + [f"{op}/done"])
+
+    def _combine(self, op: str, t: torch.Tensor, combine) -> bytearray:
+        """Every rank's ``t``, combined once: O(N) store operations in all, not N^2.
+
+        Each rank writes its part and counts itself in; the last to arrive (the gatherer)
+        reads the N parts in one request, computes ``combine(parts)`` (the parts as tensors
+        like ``t``, in rank order; returns bytes) and writes the one result, which every
+        other rank waits for and reads once::
+
+            rank r:     set op/r   add op/n -> k   (k < N)  wait op/out   get op/out
+            gatherer:   set op/g   add op/n -> N   multi_get op/0..N-1   set op/out
+
+        Per rank: set, add, wait, get, and the clean-up (its own part, then ``op/done``);
+        the gatherer's one ``multi_get`` holds the N parts. A gatherer that fails (a part of
+        the wrong size) writes its error as the result, so no peer waits out the timeout for it.
+        """
         keys = [f"{op}/{r}" for r in range(self.size())]
         self._put(keys[self.rank()], _raw(t))
-        self._wait_keys(keys)
-        out = []
-        for k in keys:
-            raw = bytearray(self._get(k))
-            out.append(_tensor(raw, t))
-        return out
+        if self._store.add(f"{op}/n", 1) == self.size():
+            self._wait_keys(keys)  # each part was set before its add; a store read from a copy may lag
+            try:
+                out = bytes(combine([_tensor(bytearray(raw), t) for raw in self._get_many(keys)]))
+            except _Abandoned:
+                raise
+            except Exception as exc:  # noqa: BLE001 - told to the peers, then raised here
+                if self.size() > 1:
+                    try:
+                        self._put(f"{op}/out", _FAILED + f"world operation {op}: {exc}".encode()[:4096])
+                    except Exception:  # noqa: BLE001 - the store itself failed: the peers time out
+                        log.debug("world group: could not tell the peers that %s failed", op, exc_info=True)
+                raise
+            if self.size() > 1:  # nobody else would read it
+                self._put(f"{op}/out", _OK + out)
+            return bytearray(out)
+        self._wait_keys([f"{op}/out"])
+        raw = self._get(f"{op}/out")
+        if raw[:1] != _OK:
+            raise GroupError(f"world group rank {self.rank()}: the gatherer failed: "
+                             f"{bytes(raw[1:]).decode(errors='replace')}")
+        return bytearray(raw[1:])
+
+    def _combined_keys(self, op: str) -> List[str]:
+        """What the last rank to finish a :meth:`_combine` deletes (each rank deletes its own part)."""
+        return [f"{op}/n", f"{op}/out"]
 
     # --- collectives -----------------------------------------------------------
     def _tap(self, what: str, args: tuple) -> None:
@@ -278,18 +380,25 @@ class StoreWorldGroup(dist.ProcessGroup):
     @_backend_work
     def allreduce(self, tensors, opts=None):
         reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def reduce(parts: List[torch.Tensor]) -> bytes:  # in rank order 0..N-1, as every rank once did alone
+            acc = parts[0].clone()
+            for p in parts[1:]:
+                acc = _reduce(reduce_op, acc, p)
+            return _raw(acc)
+
         for t in tensors:
             if self.detached:
                 self._replay([t])
                 continue
+            if self.size() > 1:  # an unsupported op is refused here, by every rank, not by the gatherer alone
+                probe = t.new_empty(0, device="meta")
+                _reduce(reduce_op, probe, probe)
+            self._fits("all_reduce", t.numel() * t.element_size(), f"one {t.dtype} tensor of shape {list(t.shape)}")
             op = self._next()
-            parts = self._exchange(op, t)
-            acc = parts[0].clone()
-            for p in parts[1:]:
-                acc = _reduce(reduce_op, acc, p)
-            t.copy_(acc)
+            t.copy_(_tensor(self._combine(op, t, reduce), t))
             self._record([t])
-            self._finish(op, [f"{op}/{r}" for r in range(self.size())])
+            self._finish(op, self._combined_keys(op), own=f"{op}/{self.rank()}")
         if tapmod.TAP is not None and not self.detached:
             self._tap("allreduce", (tensors,))
         return DoneWork(list(tensors))
@@ -301,8 +410,9 @@ class StoreWorldGroup(dist.ProcessGroup):
             if self.detached:
                 self._replay([t])
                 continue
+            self._fits("broadcast", t.numel() * t.element_size(), f"one {t.dtype} tensor of shape {list(t.shape)}")
             op = self._next()
-            if self.rank() == root:
+            if self.rank() == root:  # O(N) in all: one write, one read per rank
                 self._put(f"{op}/root", _raw(t))
             self._wait_keys([f"{op}/root"])
             raw = bytearray(self._get(f"{op}/root"))
@@ -319,11 +429,18 @@ class StoreWorldGroup(dist.ProcessGroup):
             if self.detached:
                 self._replay(list(outs))
                 continue
+            n = t.numel() * t.element_size()
+            self._fits("all_gather", n * self.size(),
+                       f"{self.size()} ranks x {n} bytes, a {t.dtype} tensor of shape {list(t.shape)}")
             op = self._next()
-            for o, p in zip(outs, self._exchange(op, t)):
-                o.copy_(p)
+            raw = self._combine(op, t, _concat)
+            if len(raw) != n * self.size():
+                raise GroupError(f"world all_gather {op}: {len(raw)} bytes gathered, this rank expects "
+                                 f"{self.size()} x {n} (a {t.dtype} tensor of shape {list(t.shape)})")
+            for r, o in enumerate(outs):
+                o.copy_(_tensor(raw, t, r * n, whole=False))
             self._record(list(outs))
-            self._finish(op, [f"{op}/{r}" for r in range(self.size())])
+            self._finish(op, self._combined_keys(op), own=f"{op}/{self.rank()}")
         if tapmod.TAP is not None and not self.detached:
             self._tap("allgather", (output_tensors, input_tensors))
         return DoneWork([o for outs in output_tensors for o in outs])
@@ -338,13 +455,14 @@ class StoreWorldGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         for i, t in enumerate(input_tensors):
             self._no_replay("gather")
+            self._fits("gather", t.numel() * t.element_size(), f"one {t.dtype} tensor of shape {list(t.shape)}")
             op = self._next()
             keys = [f"{op}/{r}" for r in range(self.size())]
             self._put(keys[self.rank()], _raw(t))
-            if self.rank() == root:
+            if self.rank() == root:  # O(N) in all: one write per rank, the root's one read of N keys
                 self._wait_keys(keys)
-                for o, k in zip(output_tensors[i], keys):
-                    o.copy_(_tensor(bytearray(self._get(k)), o))
+                for o, raw in zip(output_tensors[i], self._get_many(keys)):
+                    o.copy_(_tensor(bytearray(raw), o))
             self._finish(op, keys)  # the last to finish deletes; the root has read by then
         return DoneWork([o for outs in output_tensors for o in outs])
 
@@ -353,6 +471,7 @@ class StoreWorldGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         for i, t in enumerate(output_tensors):
             self._no_replay("scatter")
+            self._fits("scatter", t.numel() * t.element_size(), f"one {t.dtype} tensor of shape {list(t.shape)}")
             op = self._next()
             keys = [f"{op}/{r}" for r in range(self.size())]
             if self.rank() == root:
@@ -361,17 +480,20 @@ class StoreWorldGroup(dist.ProcessGroup):
             self._wait_keys([keys[self.rank()]])
             raw = bytearray(self._get(keys[self.rank()]))
             t.copy_(_tensor(raw, t))
-            self._finish(op, keys)
+            self._finish(op, [], own=keys[self.rank()])  # O(N) in all: the root's N writes, one read each
         return DoneWork(list(output_tensors))
 
     def _gather_into(self, name: str, output, input):  # noqa: A002
         if self.detached:
             return self._replay([output])
+        n = input.numel() * input.element_size()
+        self._fits(name, n * self.size(),
+                   f"{self.size()} ranks x {n} bytes, a {input.dtype} tensor of shape {list(input.shape)}")
         op = self._next()
-        parts = self._exchange(op, input)
-        output.copy_(torch.cat([p.reshape(-1) for p in parts]).view(output.shape))
+        flat = torch.empty(input.numel() * self.size(), dtype=input.dtype, device="meta")  # the parts, end to end
+        output.copy_(_tensor(self._combine(op, input, _concat), flat).view(output.shape))
         self._record([output])
-        self._finish(op, [f"{op}/{r}" for r in range(self.size())])
+        self._finish(op, self._combined_keys(op), own=f"{op}/{self.rank()}")
         if tapmod.TAP is not None:  # under the name torch called: a sandbox's virtual world sees the same one
             self._tap(name, (output, input))
         return DoneWork([output])
