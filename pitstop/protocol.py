@@ -331,6 +331,46 @@ def check_timing(body: Dict[str, Any]) -> Dict[str, Any]:
 TIMING.check = lambda body, _c=TIMING.check: check_timing(_c(body))  # type: ignore[method-assign]
 
 
+# --------------------------------------------------------------------------- big messages (Channel.put_big)
+BIG_CHUNK_BYTES = 128 * 1024
+"""Default chunk of :meth:`Channel.put_big`: one stored value is this plus :data:`RAW_ENVELOPE`."""
+BIG_CHUNK_MAX = 1024 * 1024
+"""The largest chunk :meth:`Channel.put_big` takes (etcd refuses a request over 1.5 MiB)."""
+BIG_MAX_BYTES = 64 * 1024 * 1024
+"""The largest body :meth:`Channel.put_big` writes and :meth:`Channel.read_big` reads by default."""
+RAW_ENVELOPE = len(MAGIC_RAW) + 64 + 1
+"""Bytes :func:`seal_raw` adds to its data."""
+_HEX64 = frozenset("0123456789abcdef")
+
+BIG_MANIFEST = Schema("big-manifest", {"chunks": Field(int, lo=1, hi=2 ** 20), "bytes": Field(int, lo=1, hi=2 ** 40),
+                                       "sha256": Field(str, max_len=64),
+                                       "prev": Field(dict, type(None), required=False, max_len=2)})
+
+
+def big_chunk_key(key: str, digest: str, i: int) -> str:
+    """Where chunk ``i`` of the version of ``key`` whose canonical JSON has sha256 ``digest`` lives."""
+    return f"{key}/v{digest[:16]}/c{i}"
+
+
+def _is_digest(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 64 and set(v) <= _HEX64
+
+
+def _manifest_fault(man: Dict[str, Any], max_bytes: int) -> str:
+    """Why a verified manifest cannot be read ('' if it can)."""
+    if not _is_digest(man["sha256"]):
+        return f"malformed message: big-manifest.sha256={_short(man['sha256'])}: expected 64 hex digits"
+    if man["bytes"] > max_bytes:
+        return f"oversized: {man['bytes']} bytes > {max_bytes}"
+    if man["chunks"] > man["bytes"]:
+        return f"malformed message: {man['chunks']} chunks for {man['bytes']} bytes"
+    prev = man.get("prev")
+    if prev is not None and not (_is_digest(prev.get("sha256")) and isinstance(prev.get("chunks"), int)
+                                 and not isinstance(prev.get("chunks"), bool) and 1 <= prev["chunks"] <= 2 ** 20):
+        return f"malformed message: big-manifest.prev={_short(prev)}"
+    return ""
+
+
 # --------------------------------------------------------------------------- the channel
 class Channel:
     """The control store as seen by one process that holds the job token.
@@ -459,4 +499,149 @@ class Channel:
         name = self.private(key)
         body = self.read(name, VOTE, present=present)
         return None if body is None else body["verdict"]
+
+    # -- big messages: chunked (appended; ``put``/``read`` above stay for messages under MAX_BYTES)
+    def put_big(self, key: str, body: Any, own: bool = True, chunk_bytes: int = BIG_CHUNK_BYTES) -> Dict[str, Any]:
+        """Write ``body`` (any size up to :data:`BIG_MAX_BYTES`) as sealed chunks, then its manifest
+        (see :func:`big_chunk_key`); returns the manifest. A roster of 8,192 roles (~560 KB) is 5 chunks.
+
+        ::
+
+            key/v<digest16>/c0 .. c<n-1>   seal_raw(token, that key, chunk i of the canonical JSON)
+            key                            seal(token, key, {chunks, bytes, sha256, prev})   written LAST
+
+        Each stored value is at most ``chunk_bytes`` + :data:`RAW_ENVELOPE` bytes, so one request stays
+        under etcd's 1.5 MiB and TCPStore's 8 MiB (:mod:`pitstop.limits`). The chunks of a version
+        live under its own digest, so a reader never mixes two versions; a rewrite deletes the chunks
+        of the version *before* the one it replaces (named by the manifest's ``prev``), not those
+        of the one it replaces: a reader that read that manifest a moment ago still finds them
+        (a TCPStore ``get`` of a deleted key would block for the store's whole timeout).
+        ``own``: the manifest and the chunks are written back by :meth:`reassert`."""
+        if not 1 <= chunk_bytes <= BIG_CHUNK_MAX:
+            raise PitstopError(f"put_big({key!r}): chunk_bytes={chunk_bytes}, expected 1..{BIG_CHUNK_MAX}")
+        if not self.token:
+            raise PitstopError("no job token: a control message cannot be sealed (is PITSTOP_JOB_TOKEN set?)")
+        payload = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+        if len(payload) > BIG_MAX_BYTES:
+            raise PitstopError(f"put_big({key!r}): {len(payload)} bytes > {BIG_MAX_BYTES}")
+        digest = hashlib.sha256(payload).hexdigest()
+        n = max(1, -(-len(payload) // chunk_bytes))
+        older = self._big_manifest(key)  # what this rewrite replaces (kept), and what that one replaced (dropped)
+        prev = None if older is None else {"sha256": older["sha256"], "chunks": older["chunks"]}
+        if older is not None and older["sha256"] == digest:  # the same body again: it replaces nothing
+            prev = older.get("prev")
+        for i in range(n):  # written again even when the same: a restarted writer owns them too
+            ck = big_chunk_key(key, digest, i)
+            raw = seal_raw(self.token, ck, payload[i * chunk_bytes:(i + 1) * chunk_bytes])
+            self.store.set(ck, raw)
+            if own:
+                self.owned[ck] = raw
+        manifest = {"chunks": n, "bytes": len(payload), "sha256": digest, "prev": prev}
+        self.put(key, manifest, own=own)
+        drop = older.get("prev") if older is not None and older["sha256"] != digest else None
+        if drop is not None and drop["sha256"] not in (digest, older["sha256"]):
+            self._drop_big_chunks(key, drop["sha256"], drop["chunks"])
+        if older is not None and older["sha256"] != digest:  # superseded: kept for readers, not reasserted
+            for i in range(older["chunks"]):
+                self.owned.pop(big_chunk_key(key, older["sha256"], i), None)
+        return manifest
+
+    def _big_manifest(self, key: str) -> Optional[Dict[str, Any]]:
+        """The manifest under ``key`` if one verifies (a writer's look; nothing refused is reported)."""
+        if not self.store.check([key]):
+            return None
+        try:
+            man = open_(self.token, key, self.store.get(key), BIG_MANIFEST)
+        except Refused:
+            return None
+        return man if not _manifest_fault(man, BIG_MAX_BYTES) else None
+
+    def _drop_big_chunks(self, key: str, digest: str, n: int) -> None:
+        delete = getattr(self.store, "delete_key", None)
+        for i in range(n):
+            ck = big_chunk_key(key, digest, i)
+            self.owned.pop(ck, None)
+            if delete is None:
+                continue
+            try:
+                delete(ck)
+            except (RuntimeError, NotImplementedError) as exc:  # a store that cannot delete keeps them
+                log.debug("put_big(%s): cannot delete %s (%s)", key, ck, exc)
+                return
+
+    def read_big(self, key: str, schema: Optional[Schema] = None,
+                 max_bytes: int = BIG_MAX_BYTES) -> Optional[Any]:
+        """The verified body :meth:`put_big` wrote under ``key``; None when absent or refused (reported
+        to ``on_refused(key, why)``, naming the chunk at fault). Nothing raised by the store's
+        content escapes. A manifest polled again unchanged costs one ``check`` and one ``get`` (and a
+        JSON parse): its digest pins the body."""
+        for attempt in range(3):
+            if not self.store.check([key]):
+                return None
+            raw = self.store.get(key)
+            ck_cache = key + "\0big"
+            hit = self._opened.get(ck_cache)
+            if hit is not None and hit[0] == raw and hit[1] is schema:  # parsed again: faster than a deep copy
+                return json.loads(hit[2])
+            try:
+                man = open_(self.token, key, raw, BIG_MANIFEST)
+            except Refused as exc:
+                self._refuse(key, exc.reason, raw)
+                return None
+            fault = _manifest_fault(man, max_bytes)
+            if fault:
+                self._refuse(key, fault, raw)
+                return None
+            digest, n = man["sha256"], man["chunks"]
+            cks = [big_chunk_key(key, digest, i) for i in range(n)]
+            if not self.store.check(cks):
+                now = self.store.get(key) if self.store.check([key]) else None
+                if now != raw and attempt < 2:  # rewritten meanwhile: read the new version
+                    continue
+                i = next((i for i, ck in enumerate(cks) if not self.store.check([ck])), None)
+                if i is None:  # there after all (written back meanwhile): read again
+                    continue
+                self._refuse(key, f"chunk {i} of {n} ({cks[i]}) is missing", raw)
+                return None
+            parts = []
+            for i, (ck, craw) in enumerate(zip(cks, self._get_many(cks, man["bytes"] // n + RAW_ENVELOPE))):
+                try:
+                    parts.append(open_raw(self.token, ck, craw, man["bytes"] + RAW_ENVELOPE))
+                except Refused as exc:
+                    self._refuse(key, f"chunk {i} of {n} ({ck}): {exc.reason}", craw)
+                    return None
+            payload = b"".join(parts)
+            if len(payload) != man["bytes"]:
+                self._refuse(key, f"its chunks hold {len(payload)} bytes, its manifest says {man['bytes']}", raw)
+                return None
+            if hashlib.sha256(payload).hexdigest() != digest:
+                self._refuse(key, "its chunks do not match its manifest's sha256", raw)
+                return None
+            try:
+                body = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
+            except (UnicodeDecodeError, ValueError) as exc:
+                self._refuse(key, f"malformed JSON: {exc}", raw)
+                return None
+            if schema is not None:
+                try:
+                    body = schema.check(body)
+                except ValueError as exc:
+                    self._refuse(key, f"malformed message: {exc}", raw)
+                    return None
+            if len(self._opened) > 4096:
+                self._opened.clear()
+            self._opened[ck_cache] = (bytes(raw), schema, payload)
+            return body
+        return None
+
+    def _get_many(self, keys_: list, each: int) -> list:
+        """``get`` of every key (present), through ``multi_get`` in batches of ~1 MiB where the store has it."""
+        multi = getattr(self.store, "multi_get", None)
+        if multi is None:
+            return [self.store.get(k) for k in keys_]
+        batch = max(1, (1024 * 1024) // max(1, each))
+        out: list = []
+        for i in range(0, len(keys_), batch):
+            out.extend(multi(keys_[i:i + batch]))
+        return out
 
