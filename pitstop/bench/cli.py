@@ -93,10 +93,46 @@ def add_benchmarks(bsub) -> None:
     c.add_argument("--parts", default="fuzz,restart,etcd", help="comma-separated subset of fuzz,restart,etcd")
     c.add_argument("--etcd-endpoint", default=None, metavar="HOST:PORT", type=_endpoint,
                    help="an etcd to use (default: start Debian's etcd-server on free loopback ports)")
+    sc = bsub.add_parser("scale", help="the real controller, agents and store with thousands of simulated ranks "
+                         "(8 per machine): store operations per step and per second, vote latency, detection, "
+                         "control path, controller cost; one row per N")
+    sc.add_argument("--json", action="store_true")
+    sc.add_argument("--ranks", default="64,256,1024,4096,8192", metavar="N,N,...",
+                    help="simulated ranks per row, each a multiple of 8 with at least 3 machines (default "
+                         "64,256,1024,4096,8192)")
+    sc.add_argument("--backends", default="tcpstore", metavar="B,B",
+                    help="comma-separated subset of tcpstore,etcd (default tcpstore)")
+    sc.add_argument("--window", type=_seconds, default=10.0, metavar="S",
+                    help="the steady window in which operations and votes are counted (default 10)")
+    sc.add_argument("--run-dir", default="runs/bench-scale")
+
+
+def _ranks(text: str) -> tuple:
+    try:
+        ns = tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        ns = ()
+    bad = [n for n in ns if n % 8 or n < 24]
+    if not ns or bad:
+        raise PitstopError(f"--ranks {text!r}: expected comma-separated multiples of 8, each >= 24 (3 machines of 8)"
+                           + (f"; not {bad}" if bad else ""))
+    return ns
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the ``demo`` or ``bench`` command that ``args`` names; PitstopError propagates."""
+    if args.cmd == "bench" and args.bench == "scale":
+        from pathlib import Path
+
+        from pitstop.bench.scale import run as bench_scale
+
+        backends = tuple(x for x in args.backends.split(",") if x)
+        bad = [b for b in backends if b not in ("tcpstore", "etcd")]
+        if bad or not backends:
+            raise PitstopError(f"--backends {args.backends!r}: expected a comma-separated subset of tcpstore,etcd")
+        out = bench_scale(ranks=_ranks(args.ranks), backends=backends, work=Path(args.run_dir), window_s=args.window)
+        print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+        return 0 if all("error" not in r for r in out["rows"]) else 1
     if args.cmd == "bench" and args.bench == "machines":
         from pitstop.bench.machines import bench_machines
 

@@ -338,8 +338,8 @@ def run(ranks=DEFAULT_RANKS, backends=("tcpstore",), work: Path = Path("runs/ben
         if backend == "etcd":
             from pitstop.launch.etcd_server import EtcdServer
 
-            etcd = EtcdServer(work / "etcd")
-            endpoint = etcd.start()
+            etcd = EtcdServer(Path(work) / "etcd").start()
+            endpoint = etcd.endpoint
         try:
             for n in ranks:
                 t = time.time()

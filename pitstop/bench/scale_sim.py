@@ -31,6 +31,7 @@ import collections
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -325,7 +326,9 @@ class SimAgent:
         self.procs: Dict[str, SimProc] = {}
         self._exited: List[SimProc] = []
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._rfd, self._wfd = os.pipe()  # an exit writes a byte: wait_exit polls it with the link
+        os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)
 
     def start(self, name: str, argv, env: Dict[str, str]) -> SimProc:  # noqa: ARG002 - no program is run
         # a pid of its own (the roster tells processes apart by host and pid): the slot, past any real pid
@@ -335,7 +338,10 @@ class SimAgent:
         def exited(_r: SimRank, how: str, p=p) -> None:
             with self._lock:
                 self._exited.append((p, how))
-            self._wake.set()
+            try:
+                os.write(self._wfd, b"x")
+            except BlockingIOError:  # the pipe is full: it is readable anyway
+                pass
 
         p.rank = SimRank(name, env, self.counts, self.timeline, exited, self.step_s, self.steps, p.pid).start()
         return p
@@ -347,9 +353,17 @@ class SimAgent:
             p.exit = how
         return [p for p, _ in out]
 
-    def wait_exit(self, timeout: float) -> None:
-        self._wake.wait(timeout)
-        self._wake.clear()
+    def wait_exit(self, timeout: float, fds=()) -> None:
+        """Until a simulated process exits, one of ``fds`` can be read, or ``timeout``."""
+        p = select.poll()
+        p.register(self._rfd, select.POLLIN)
+        for fd in fds:
+            p.register(fd, select.POLLIN)
+        if p.poll(max(0, int(timeout * 1000))):
+            try:
+                os.read(self._rfd, 4096)
+            except BlockingIOError:
+                pass
 
     def dying(self) -> List[SimProc]:
         return []

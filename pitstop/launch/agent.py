@@ -14,7 +14,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
 
@@ -122,10 +122,15 @@ class Agent:
             pass
         return proc
 
-    def wait_exit(self, timeout: float) -> None:
+    def wait_exit(self, timeout: float, fds: Sequence[Any] = ()) -> None:
         """Sleep up to ``timeout`` seconds, less if one of the running processes exits (a
-        process's pidfd is closed once :meth:`poll` reported it, so all those left run)."""
-        select.select(list(self.pidfds.values()), [], [], timeout)
+        process's pidfd is closed once :meth:`poll` reported it, so all those left run) or one
+        of ``fds`` (sockets, descriptors) has something to read. ``poll``, not ``select``: a
+        descriptor past 1,023 is fine."""
+        p = select.poll()
+        for fd in [*self.pidfds.values(), *fds]:
+            p.register(fd, select.POLLIN)
+        p.poll(max(0, int(timeout * 1000)))
 
     def dying(self) -> List[Proc]:
         """Running processes (not yet reported by :meth:`poll`) that are exiting: see :func:`exiting`."""

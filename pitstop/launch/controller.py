@@ -231,6 +231,7 @@ class Controller:
                                                              "job": self.job}))
         self._persisted = ""
         self._persist_at = 0.0
+        self._last_look: Dict[str, float] = {}
 
     def _refused(self, key: str, reason: str) -> None:
         log.warning("refused %s: %s", key, reason)
@@ -326,21 +327,25 @@ class Controller:
                 for i in range(self.spec.nproc_per_node):
                     self._start_standby(node=k, local_rank=i, machine=True)
         try:
-            last_reassert = 0.0
             while self.exit_code is None:
-                if time.monotonic() - last_reassert > 0.25:  # junk over the controller's own messages
+                if self._due("reassert", self.REASSERT_S):  # junk over the controller's own messages
                     self.ch.reassert()
-                    last_reassert = time.monotonic()
-                self._read_committed()
-                if self.spec.agents_apart:
-                    self._watch_poison()
-                self._admit()
+                if self._due("commit", self.LOOK_S):
+                    self._read_committed()
+                    if self.spec.agents_apart:
+                        self._watch_poison()
+                if self.expected and self._due("admit", self.LOOK_S):
+                    self._admit()
+                elif not self.expected and self._due("applicants", self.LOOK_S):
+                    self._applicants()
                 self._settle()
                 for p in self.agent.poll():
                     self._on_exit(p)
                 self._settle()  # a loss seen just now may be all there is to gather (see _settle)
-                self._check_heartbeats()
-                self.drains.check()
+                if self._due("heartbeats", self.heartbeat_look_s()):
+                    self._check_heartbeats()
+                if self._due("drains", self.LOOK_S):
+                    self.drains.check()
                 self._progress()
                 self._refill()
                 self._watch_warmup()
@@ -356,6 +361,28 @@ class Controller:
                 except subprocess.TimeoutExpired:
                     head_agent.kill()
         return self.exit_code
+
+    #: How often the loop looks at what only changes with a step or a request (the last commit,
+    #: a poisoned step, hellos, drain requests): each look is a store round trip or two, and the
+    #: loop turns every 10 ms, so looking at every turn was ~400 operations a second on the one
+    #: store, whatever the job did. 50 ms is a fifth of a heartbeat interval.
+    LOOK_S = 0.05
+    #: How often the controller's own messages are checked for junk written over them.
+    REASSERT_S = 0.25
+
+    def heartbeat_look_s(self) -> float:
+        """How often every process's heartbeat is read (two store operations each): a quarter of
+        a heartbeat interval, at most 0.25 s; reading them at every 10 ms turn cost 200
+        operations per process per second."""
+        return min(0.25, self.cfg.heartbeat_interval_s / 4)
+
+    def _due(self, what: str, period_s: float) -> bool:
+        """Whether ``what`` is due (its period passed since it last was); marks it done."""
+        now = time.monotonic()
+        if now - self._last_look.get(what, -1e9) < period_s:
+            return False
+        self._last_look[what] = now
+        return True
 
     # ------------------------------------------------------------------ re-attaching (etcd)
     def _state(self) -> Dict[str, Any]:
@@ -396,14 +423,18 @@ class Controller:
         self._persist_at = now
         text = json.dumps(self._state(), sort_keys=True)
         if text != self._persisted:
-            self.ch.put(keys.CONTROLLER_STATE, json.loads(text))
+            # chunked (:meth:`pitstop.protocol.Channel.put_big`): at ~1,100 ranks the state passes
+            # the 256 KiB message limit, and etcd refuses a request over 1.5 MiB. Not owned: the
+            # reader checks the digest, and reasserting every chunk four times a second would cost
+            # O(ranks) bytes forever; junk over it is refused by name at --resume.
+            self.ch.put_big(keys.CONTROLLER_STATE, json.loads(text), own=False)
             self._persisted = text
 
     def _restore(self) -> None:
         """Re-attach: take the state the previous controller left in etcd, and the agents' view.
         The workers, standbys and agents never stopped; what happened meanwhile (exits,
         hellos, commits, drain requests) is in the store and is read on the next loop."""
-        st = self.ch.read(keys.CONTROLLER_STATE, protocol.CONTROLLER_STATE)
+        st = self.ch.read_big(keys.CONTROLLER_STATE, protocol.CONTROLLER_STATE)
         if st is None:
             raise PitstopError(f"--resume: the store {self.store_spec} holds no controller state for this job "
                                "(the job ended, or another job's run directory was given)")
@@ -532,7 +563,10 @@ class Controller:
 
     def _write_roster(self) -> None:
         text = self.roster.to_json()
-        self.ch.put(keys.ROSTER, json.loads(text))
+        # chunked: 8,192 roles are ~560 KB, past the 256 KiB message limit. Not owned: run_dir's
+        # roster.json is what `pitstop status` reads; the store's copy is for other readers, who
+        # check its digest (read_big)
+        self.ch.put_big(keys.ROSTER, json.loads(text), own=False)
         tmp = self.run_dir / (ROSTER + ".tmp")
         tmp.write_text(text)
         tmp.replace(self.run_dir / ROSTER)
@@ -617,6 +651,8 @@ class Controller:
             if beats < m.beats:
                 self.ch.refuse(keys.heartbeat(m.slot), f"replayed: beat {beats} after beat {m.beats}")
             elif beats > m.beats:
+                if m.beats < 0:  # its first beat: it read its verdict (it beats only once admitted)
+                    self.ch.disown(keys.join(m.slot, "verdict"))
                 m.beats, m.last_beat = beats, now
             elif now - m.last_beat > self.cfg.heartbeat_timeout_s:
                 self.events.write("hung", slot=m.slot, pid=m.proc.pid, silent_s=round(now - m.last_beat, 2),
@@ -895,17 +931,18 @@ class Controller:
                 if rec is not None:
                     self.recorded.add(cls)
                     self.events.write("recorded", **rec)
-        for slot in list(self.members):
-            if slot not in self.warm_seen:
-                rep = self.ch.read(keys.warm(slot), protocol.WARM)
-                if rep is None:
-                    continue
-                self.warm_seen.add(slot)
-                self.events.write("warmed", slot=slot, pid=rep["pid"], ok=rep["ok"], stopped=rep["stopped"],
-                                  rss_bytes=rep["rss_bytes"],
-                                  classes=[{k: r.get(k) for k in ("cls", "role", "ok", "seconds", "ops", "error", "out",
-                                                                 "local_checked", "local_equal", "local_mismatch")}
-                                           for r in rep["results"] if isinstance(r, dict)])
+        # standbys only: a worker started with its role never reports a warmup (reading every
+        # member's key here cost two store operations per member four times a second, forever)
+        for slot in [sl for sl, m in self.members.items() if m.standby and sl not in self.warm_seen]:
+            rep = self.ch.read(keys.warm(slot), protocol.WARM)
+            if rep is None:
+                continue
+            self.warm_seen.add(slot)
+            self.events.write("warmed", slot=slot, pid=rep["pid"], ok=rep["ok"], stopped=rep["stopped"],
+                              rss_bytes=rep["rss_bytes"],
+                              classes=[{k: r.get(k) for k in ("cls", "role", "ok", "seconds", "ops", "error", "out",
+                                                             "local_checked", "local_equal", "local_mismatch")}
+                                       for r in rep["results"] if isinstance(r, dict)])
         # every standby of the first pool, less those a failure or drain took meanwhile (a standby
         # machine's are not refilled), has reported its warmup
         want = self.spec.standby + self.spec.nodes.standby_machines * self.spec.nproc_per_node

@@ -90,6 +90,9 @@ class NodeAgent:
         self.answered = 0
         """The newest probe answered (an older one, replayed, is not answered again)."""
         self.link = None
+        """The link to the controller (:class:`pitstop.launch.link.AgentLink`), once open."""
+        self.reported = False
+        """A started or exit report was written since the controller was last told ("ev")."""
         self.link_to: Optional[tuple] = None
         """The controller address the link was opened to (a restarted controller publishes a new one)."""
 
@@ -123,6 +126,7 @@ class NodeAgent:
             p = self.agent.start(name, self.argv, env)
             self.names[name] = p
             self.ch.put(keys.node_event(self.node, name, "started"), {"pid": p.pid})
+            self.reported = True
             log.info("[node %d] started %s (pid %d)", self.node, name, p.pid)
         elif cmd["op"] == "kill":
             p = self.names.get(name)
@@ -143,44 +147,101 @@ class NodeAgent:
             self.link = None
         self.link_to = (where["host"], where["port"])
         try:
-            self.link = link.connect(where["host"], where["port"], self.node, self.token)
+            self.link = link.AgentLink(link.connect(where["host"], where["port"], self.node, self.token),
+                                       lambda what, why: log.warning("[node %d] refused %s: %s", self.node, what, why))
         except (OSError, ValueError) as exc:
             log.warning("[node %d] no link to the controller at %s:%s: %s", self.node, where["host"], where["port"], exc)
 
+    @property
+    def linked(self) -> bool:
+        return self.link is not None and not self.link.closed
+
+    def _commands(self) -> None:
+        while True:
+            k = keys.node_cmd(self.node, self.next_cmd)
+            cmd = self.ch.read(k, protocol.NODE_CMD)
+            if cmd is None:
+                return
+            self.next_cmd += 1
+            self._command(k, cmd)
+
+    def _answer(self, n: int) -> None:
+        """Answer probe ``n`` (an older one, replayed, is not answered again)."""
+        if n > self.answered:
+            self.answered = n
+            if not (self.linked and self.link.send(f"pong {n}".encode())):
+                self.ch.put(keys.node(self.node, "pong"), {"n": self.answered}, own=False)
+
+    def _done(self) -> bool:
+        return self.ch.read(keys.DONE, protocol.FLAG) is not None
+
+    #: While linked, how often the agent checks its own sealed messages for junk written over them.
+    REASSERT_S = 5.0
+
     def run(self) -> int:
+        """The loop. Linked (the usual case), it costs the store nothing while nothing happens::
+
+            controller --"cmd"--> agent: read node/k/cmd/n..   (a sealed command was written)
+            controller --"probe n"--> agent --"pong n"-->       (a failure was reported)
+            controller --"done"--> agent: read ctl/done, leave  (sealed: the line only wakes it)
+            agent --"beat n"--> controller, every interval       (liveness; the link's silence is a freeze)
+            agent --"ev"--> controller                           (node/k/started|exit/<name> written)
+
+        Unlinked (before the link is up, or once a controller died and until its successor
+        publishes a new address), it polls the store every interval: commands, the probe, the
+        end of the job, and writes its heartbeat there."""
         self.ch.put(keys.node(self.node, "hello"), {"node": self.node, "host": socket.gethostname(), "addr": self.addr,
                                                    "nproc": self.nproc, "pid": os.getpid()})
-        from pitstop.launch import link
-
-        last_beat = 0.0
+        last_beat = last_look = last_reassert = 0.0
         try:
             while True:
-                while True:
-                    k = keys.node_cmd(self.node, self.next_cmd)
-                    cmd = self.ch.read(k, protocol.NODE_CMD)
-                    if cmd is None:
-                        break
-                    self.next_cmd += 1
-                    self._command(k, cmd)
-                if self.link_to is None or time.monotonic() - last_beat >= self.interval:
+                now = time.monotonic()
+                nudged = done = False
+                if self.linked:
+                    for line in self.link.lines():
+                        words = line.split()
+                        if words == [b"cmd"]:
+                            nudged = True
+                        elif words == [b"done"]:
+                            done = True
+                        elif len(words) == 2 and words[0] == b"probe" and words[1].isdigit():
+                            self._answer(int(words[1]))
+                        else:
+                            log.warning("[node %d] refused link line %r: expected cmd, done or probe N",
+                                        self.node, line[:40])
+                look = not self.linked and now - last_look >= self.interval
+                if look:
+                    last_look = now
                     self._try_link()
+                if nudged or look:
+                    self._commands()
                 for p in self.agent.poll():
                     self.ch.put(keys.node_event(self.node, p.name, "exit"), {"pid": p.pid, "exit": p.exit})
-                probe = self.ch.read(keys.node(self.node, "probe"), protocol.HEARTBEAT)
-                if probe is not None and probe["n"] > self.answered:
-                    self.answered = probe["n"]
-                    self.ch.put(keys.node(self.node, "pong"), {"n": self.answered}, own=False)
-                if time.monotonic() - last_beat >= self.interval:
+                    self.reported = True
+                if self.reported and self.linked:
+                    self.link.send(b"ev")
+                self.reported = False
+                if look:
+                    probe = self.ch.read(keys.node(self.node, "probe"), protocol.HEARTBEAT)
+                    if probe is not None:
+                        self._answer(probe["n"])
+                if now - last_beat >= self.interval:
                     self.beats += 1
-                    self.ch.put(keys.node(self.node, "hb"), {"n": self.beats}, own=False)
-                    self.ch.reassert()
-                    last_beat = time.monotonic()
-                if self.ch.read(keys.DONE, protocol.FLAG) is not None:
+                    last_beat = now
+                    if not (self.linked and self.link.send(f"beat {self.beats}".encode())):
+                        self.ch.put(keys.node(self.node, "hb"), {"n": self.beats}, own=False)
+                    if not self.linked or now - last_reassert >= self.REASSERT_S:
+                        self.ch.reassert()
+                        last_reassert = now
+                if (done or look) and self._done():
                     log.info("[node %d] the job is over", self.node)
-                    link.leave(self.link)
+                    if self.link is not None:
+                        self.link.leave()
                     self.link = None
                     return 0
-                self.agent.wait_exit(0.02)  # wakes at once when a child exits: its report goes out sooner
+                wait = self.interval if self.linked else min(self.interval, 0.02)
+                self.agent.wait_exit(max(0.0, min(wait, last_beat + self.interval - time.monotonic())),
+                                     [self.link.sock] if self.linked else [])
         except (RuntimeError, OSError) as exc:  # the store went away: the head is gone
             log.warning("[node %d] lost the control store (%s); stopping this machine's processes", self.node,
                         str(exc).splitlines()[0])

@@ -179,9 +179,15 @@ class RemoteAgents:
         return unrecorded
 
     # ------------------------------------------------------------------ commands
+    def linked(self, node: int) -> bool:
+        """Whether machine ``node``'s agent holds a verified link now."""
+        return self.links is not None and node in self.links.links
+
     def _send(self, node: int, body: dict) -> None:
         self.cmds[node] += 1
         self.ch.put(keys.node_cmd(node, self.cmds[node]), body)
+        if self.linked(node):  # the line only wakes the agent: it acts on the sealed command
+            self.links.send(node, b"cmd")
 
     def start(self, name: str, env: Dict[str, str], node: int) -> RemoteProc:
         if name in self.procs:
@@ -214,7 +220,8 @@ class RemoteAgents:
         for k, st in self.nodes.items():
             if st.hello is not None and not st.lost and not st.probe_n:
                 st.probe_n, st.probe_sent = self.probes, now
-                self.ch.put(keys.node(k, "probe"), {"n": self.probes}, own=False)
+                if not (self.linked(k) and self.links.send(k, f"probe {self.probes}".encode())):
+                    self.ch.put(keys.node(k, "probe"), {"n": self.probes}, own=False)
 
     def suspecting(self, now: Optional[float] = None) -> bool:
         now = time.monotonic() if now is None else now
@@ -242,12 +249,21 @@ class RemoteAgents:
                     st.probe_sent = min(now, st.probe_sent + blind)
         timeout = self._timeout(now)
         out: List[RemoteProc] = []
+        dirty = set()  # machines whose agent wrote started/exit reports ("ev"), or that have no link
         if self.links is not None:
+            before = set(self.links.links)
             for k, cause in self.links.poll():
                 st = self.nodes.get(k)
                 if st is not None and st.hello is not None and not st.lost:
                     self._lose(k, cause, now - st.last_beat, out)
+            for k in set(self.links.links) - before:  # commands written before it linked: look now
+                self.links.send(k, b"cmd")
+                dirty.add(k)
+            for k in list(self.links.inbox):  # only machines that sent something
+                self._link_lines(k, now, dirty)
         for k, st in self.nodes.items():
+            if not self.linked(k):
+                dirty.add(k)
             if st.lost:
                 continue
             if st.hello is None:
@@ -265,12 +281,15 @@ class RemoteAgents:
                             p.exit = f"machine {k} never joined (no agent hello within {self.join_timeout:.0f}s)"
                             out.append(p)
                 continue
-            hb = self.ch.read(keys.node(k, "hb"), protocol.HEARTBEAT)
-            n = st.beats if hb is None else hb["n"]
-            if st.probe_n:
-                pong = self.ch.read(keys.node(k, "pong"), protocol.HEARTBEAT)
-                if pong is not None and pong["n"] >= st.probe_n:
-                    st.probe_n, st.last_beat = 0, now
+            if self.linked(k):  # its beats and pongs come over the link (_link_lines)
+                n = st.beats
+            else:
+                hb = self.ch.read(keys.node(k, "hb"), protocol.HEARTBEAT)
+                n = st.beats if hb is None else hb["n"]
+                if st.probe_n:
+                    pong = self.ch.read(keys.node(k, "pong"), protocol.HEARTBEAT)
+                    if pong is not None and pong["n"] >= st.probe_n:
+                        st.probe_n, st.last_beat = 0, now
             if n < st.beats:
                 self.ch.refuse(keys.node(k, "hb"), f"replayed: beat {n} after beat {st.beats}")
             elif n > st.beats:
@@ -284,7 +303,7 @@ class RemoteAgents:
                     cause = f"its agent left probe {st.probe_n} unanswered for {now - st.probe_sent:.2f}s"
                 self._lose(k, cause, silent, out)
         for p in self.procs.values():
-            if not p.running:
+            if not p.running or p.node not in dirty:
                 continue
             if p.pid is None:
                 st = self.ch.read(keys.node_event(p.node, p.name, "started"), protocol.NODE_STARTED)
@@ -295,6 +314,27 @@ class RemoteAgents:
                 p.exit = ex["exit"]
                 out.append(p)
         return out
+
+    def _link_lines(self, k: int, now: float, dirty: set) -> None:
+        """What machine ``k``'s agent sent on its link: ``beat n`` (liveness, as its store
+        heartbeat), ``pong n`` (the answer to a probe), ``ev`` (it wrote started/exit reports:
+        they are read this poll). Anything else is refused by name."""
+        st = self.nodes.get(k)
+        for line in self.links.lines(k):
+            words = line.split()
+            if st is None:
+                continue
+            if words == [b"ev"]:
+                dirty.add(k)
+            elif len(words) == 2 and words[0] in (b"beat", b"pong") and words[1].isdigit():
+                n = int(words[1])
+                if words[0] == b"beat":
+                    if n > st.beats:
+                        st.beats, st.last_beat = n, now
+                elif st.probe_n and n >= st.probe_n:
+                    st.probe_n, st.last_beat = 0, now
+            else:
+                self.links.on_refused(f"link line from machine {k}", f"{line[:40]!r}: expected beat N, pong N or ev")
 
     def _lose(self, k: int, cause: str, silent: float, out: List[RemoteProc]) -> None:
         """Machine ``k`` is lost: every process on it has exited, reported at once."""
@@ -328,6 +368,10 @@ class RemoteAgents:
         return "\n".join(lines)
 
     def close(self) -> None:
-        """The agents end their processes when the controller sets ``ctl/done``; the links close."""
+        """The agents end their processes when the controller sets ``ctl/done`` (a linked agent is
+        woken by a ``done`` line, and reads the sealed key); the links close."""
         if self.links is not None:
+            for k in list(self.links.links):
+                self.links.send(k, b"done")
+            self.links.poll()  # flush what the sockets did not take at once
             self.links.close()

@@ -1,0 +1,53 @@
+"""The real control plane with simulated ranks (pitstop.bench.scale): a job of 64 ranks on 8
+machines, plus 2 standby machines and one standby process, loses a simulated rank, a real
+machine (SIGKILL of its process group) and a frozen one (SIGSTOP), and every stayer hears of
+each replacement. The store operations are counted on every client, so a change that makes a
+machine's agent or the step boundary cost more per machine fails here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pitstop.bench import scale
+
+
+def _tails(run_dir: Path) -> str:
+    out = []
+    for f in sorted(run_dir.glob("*.log")):
+        out.append(f"----- {f.name}")
+        out.extend(f.read_text(errors="replace").splitlines()[-15:])
+    return "\n".join(out)
+
+
+@pytest.mark.timeout(420)
+def test_64_simulated_ranks_lose_a_rank_a_machine_and_a_frozen_machine(tmp_path):
+    row = scale.Row("tcpstore", 64, tmp_path, window_s=4.0).run()
+    assert "error" not in row, f"{row}\n{_tails(tmp_path / 'tcpstore-64')}"
+    assert row["errors_seen"] == [], row["errors_seen"]
+    # every stayer was told of each change, and each change committed a step after it
+    assert row["control_path_told"] >= 63 and row["control_path_killed_told"] >= 56
+    assert row["control_path_frozen_told"] >= 56
+    for k in ("downtime_s", "downtime_killed_s", "downtime_frozen_s"):
+        assert row[k] is not None and row[k] > 0, (k, row[k])
+    # the killed machine's link closed; the frozen one's fell silent (no socket closes)
+    assert "connection to the controller closed" in row["cause_machine"], row["cause_machine"]
+    assert "silent" in row["cause_frozen"], row["cause_frozen"]
+    assert row["detect_frozen_s"] >= row["heartbeat_timeout_s"] * 0.9, row["detect_frozen_s"]
+    # counted: steps ran in the window, and the vote costs each rank 3 operations (add, wait, get),
+    # plus the last arriver's settling: a change that makes the boundary cost more fails here
+    assert row["steps_in_window"] >= 3
+    assert row["store_ops_per_step"] <= 3 * 64 + 8, row["store_ops_per_step"]
+    # a linked agent polls nothing: its beats, probes and commands ride the link
+    per_machine_agent = row["ops_by_purpose_per_s"]["agent"] / (row["machines"] + row["spare_machines"])
+    assert per_machine_agent <= 6.0, row["ops_by_purpose_per_s"]
+    json.dumps(row)  # the bench prints it
+
+
+def test_growth_fits_the_exponent():
+    rows = [{"ranks": n, "x": 3.0 * n ** 0.5} for n in (64, 256, 1024)]
+    assert scale.growth(rows, "x") == pytest.approx(0.5, abs=1e-3)
+    assert scale.growth(rows[:1], "x") is None
+    assert scale.growth([{"ranks": 64, "x": 1.0, "error": "e"}, *rows[1:2]], "x") is None
