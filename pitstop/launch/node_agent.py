@@ -4,12 +4,17 @@
 
     controller (head)                    store                         agent of machine k
     put node/k/cmd/n {start w5, env} ->  ctl/node/k/cmd/n  ----------> start it (elastic multiprocessing)
-                                         ctl/node/k/started/w5 <------ {pid}
-                                         ctl/node/k/exit/w5    <------ {pid, exit}
-    machine k lost when ------------->   ctl/node/k/hb         <------ {n}, every heartbeat interval
-    its heartbeat stops
-    a failure was reported: probe n ->   ctl/node/k/probe      ------> answered on the next loop:
-    no pong within probe_s: lost         ctl/node/k/pong       <------ {n}
+      and "cmd" on the link  ------------------------------------->   (the line wakes it; it reads the key)
+                                         ctl/node/k/started/w5 <------ {pid}   and "ev" on the link
+                                         ctl/node/k/exit/w5    <------ {pid, exit}   and "ev"
+    machine k lost when its link's  <------------------------------   "beat n", every heartbeat interval
+    beats stop (or the link closes)
+    a failure was reported: "probe n" -----------------------------> "pong n" at once
+
+Without a link (before it opens, or after a controller died until its successor publishes
+a new address) the same travels through the store: ``node/k/hb``, ``node/k/probe`` and
+``node/k/pong``, and the agent polls its commands every heartbeat interval. Linked, the
+agent costs the store nothing while nothing happens (see :meth:`NodeAgent.run`).
 
 Every message is sealed (:mod:`pitstop.protocol`). The agent runs the training script
 from its *own* command line, so the store can only ask it to start a role or a standby
