@@ -301,6 +301,7 @@ NODE_CMD = Schema("node-cmd", {"op": Field(str, choices=("start", "kill")), "nam
                                "env": Field(dict, required=False, max_len=256),
                                "sig": Field(int, required=False, lo=1, hi=64)})
 NODE_STARTED = Schema("node-started", {"pid": Field(int, lo=1, hi=2 ** 31)})
+NODE_HUNG = Schema("node-hung", {"pid": Field(int, type(None), lo=1, hi=2 ** 31), "silent_s": Field(*_NUM, lo=0)})
 NODE_EXIT = Schema("node-exit", {"pid": Field(int, type(None), lo=1, hi=2 ** 31), "exit": Field(str, max_len=200)})
 
 
@@ -398,6 +399,7 @@ class Channel:
         same bytes again skips the MAC and the JSON (the controller polls every member's heartbeat)."""
         self.refused = 0
         self.owned: Dict[str, bytes] = {} if owned is None else owned
+        self._no_multi = False
 
     def sibling(self, store: Any) -> "Channel":
         """The same identity over another store connection (a store client is one thread's)."""
@@ -416,9 +418,31 @@ class Channel:
         self.owned.pop(key, None)
 
     def reassert(self) -> int:
-        """Write back every owned message that is no longer in the store as written; returns how many."""
+        """Write back every owned message that is no longer in the store as written; returns how many.
+
+        Where the store has ``multi_get`` (``TCPStore``), all of them are read back in two
+        operations (a ``check`` that every key is there, then one ``multi_get``), not two per
+        key: a process that owns many messages reasserts them every fraction of a second."""
+        items = list(self.owned.items())
+        multi = getattr(self.store, "multi_get", None)
+        if multi is not None and len(items) > 1 and not self._no_multi:
+            names = [k for k, _ in items]
+            try:
+                if self.store.check(names):
+                    n = 0
+                    for (key, raw), got in zip(items, multi(names)):
+                        got = bytes(got)
+                        if got != raw:
+                            self._refuse(key, "overwritten: the sealed message was written back", got)
+                            self.store.set(key, raw)
+                            n += 1
+                    return n
+            except (RuntimeError, NotImplementedError) as exc:  # a store without it: key by key from now on
+                if "timeout" in str(exc).lower():
+                    raise
+                self._no_multi = True
         n = 0
-        for key, raw in list(self.owned.items()):
+        for key, raw in items:
             got = self.store.get(key) if self.store.check([key]) else None
             if got != raw:
                 if got is not None:

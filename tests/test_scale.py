@@ -24,7 +24,8 @@ def _tails(run_dir: Path) -> str:
 
 @pytest.mark.timeout(420)
 def test_64_simulated_ranks_lose_a_rank_a_machine_and_a_frozen_machine(tmp_path):
-    row = scale.Row("tcpstore", 64, tmp_path, window_s=4.0).run()
+    # a heartbeat timeout with room for a loaded 2-core machine (the bench uses 1.5 s)
+    row = scale.Row("tcpstore", 64, tmp_path, window_s=4.0, heartbeat_timeout=3.0).run()
     assert "error" not in row, f"{row}\n{_tails(tmp_path / 'tcpstore-64')}"
     assert row["errors_seen"] == [], row["errors_seen"]
     # every stayer was told of each change, and each change committed a step after it
@@ -36,13 +37,16 @@ def test_64_simulated_ranks_lose_a_rank_a_machine_and_a_frozen_machine(tmp_path)
     assert "connection to the controller closed" in row["cause_machine"], row["cause_machine"]
     assert "silent" in row["cause_frozen"], row["cause_frozen"]
     assert row["detect_frozen_s"] >= row["heartbeat_timeout_s"] * 0.9, row["detect_frozen_s"]
-    # counted: steps ran in the window, and the vote costs each rank 3 operations (add, wait, get),
-    # plus the last arriver's settling: a change that makes the boundary cost more fails here
+    # counted on every client: the step costs each machine an add and a wait for the slot (plus
+    # the job's last arrival settling it), not 3 operations per rank (24 per machine)
     assert row["steps_in_window"] >= 3
-    assert row["store_ops_per_step"] <= 3 * 64 + 8, row["store_ops_per_step"]
-    # a linked agent polls nothing: its beats, probes and commands ride the link
-    per_machine_agent = row["ops_by_purpose_per_s"]["agent"] / (row["machines"] + row["spare_machines"])
-    assert per_machine_agent <= 6.0, row["ops_by_purpose_per_s"]
+    assert row["per_machine"]["store_ops_per_step"] <= 3.0, row["per_machine"]
+    # nothing beats in the store: ranks beat to their agent, agents on their link (before: 875 a
+    # second per machine at this size, benchmarks/scale-baseline.json's harness)
+    per = row["ops_by_purpose_per_s"]
+    assert per["heartbeat"] <= 0.5 * 64, per
+    assert per["agent"] / (row["machines"] + row["spare_machines"]) <= 2.0, per
+    assert row["per_machine"]["store_ops_per_s"] <= 12.0, row
     json.dumps(row)  # the bench prints it
 
 

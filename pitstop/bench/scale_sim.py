@@ -47,6 +47,7 @@ from pitstop.pg.fence import Fence
 from pitstop.protocol import Channel, Verdict
 from pitstop.runtime import keys, worker
 from pitstop.runtime.config import RuntimeConfig
+from pitstop.runtime.local import ENV_AGENT_SOCK, LocalLink, LocalVote
 from pitstop.runtime.vote import Vote
 from pitstop.store import ENV_STORE, connect
 
@@ -176,6 +177,7 @@ class SimRank:
         self.role: Optional[int] = None
         self.gen = int(env.get(worker.ENV_GENERATION, 0))
         self.hb: Optional[worker.Heartbeat] = None
+        self.local: Optional[LocalLink] = None
         self.watch: Optional[worker.KeyWatch] = None
         self.ended = threading.Event()
         self._told: set = set()
@@ -196,6 +198,8 @@ class SimRank:
         for t in (self.hb, self.watch):
             if t is not None:
                 t.stop()
+        if self.local is not None:  # a dead process's sockets close: its agent sees it at once
+            self.local.close()
         self._exit("signal SIGKILL")
 
     def _exit(self, how: str) -> None:
@@ -250,10 +254,13 @@ class SimRank:
         ch = Channel(store, token, lambda k, r: log.warning("[%s] refused %s: %s", self.name, k, r))
         hb_conn = open_store(spec, self.counts, "heartbeat")
         self._check()
+        if env.get(ENV_AGENT_SOCK):  # as worker.join: the line to the machine's agent first
+            self.local = LocalLink(env[ENV_AGENT_SOCK], int(env[worker.ENV_SLOT]),
+                                   None if standby else int(env["RANK"]), self.gen, token)
         slot = worker._authenticate(ch, standby, None if standby else int(env["RANK"]),
                                     slot=int(env[worker.ENV_SLOT]), host=env.get("PITSTOP_NODE_HOST"), pid=self.pid)
         self._check()
-        self.hb = worker.Heartbeat(slot, cfg.heartbeat_interval_s, ch, hb_conn).start()
+        self.hb = worker.Heartbeat(slot, cfg.heartbeat_interval_s, ch, hb_conn, self.local).start()
         pool = _Pool([open_store(spec, self.counts, "watch") for _ in range(worker.THREAD_CONNECTIONS)])
         step = 1
         if standby:
@@ -263,6 +270,8 @@ class SimRank:
                 return
             self.role, self.gen = a["role"], a["generation"]
             step = int(a.get("step") or 1)
+            if self.local is not None:
+                self.local.send(f"role {self.role} {self.gen}")
         else:
             self.role = int(env["RANK"])
             if self.role == 0:
@@ -274,7 +283,8 @@ class SimRank:
         self.watch = worker.KeyWatch(f"ended-{self.name}", lambda: keys.ended(self.gen), self._look, ch,
                                      protocol.STAMP, pool.take()).start()
         store.purpose = "step"  # joined: from here on the main connection serves the step boundary
-        vote = Vote(ch, store, world, Fence(), cfg.collective_timeout_s * 2)
+        vote = (LocalVote(ch, store, world, Fence(), cfg.collective_timeout_s * 2, self.local) if self.local is not None
+                else Vote(ch, store, world, Fence(), cfg.collective_timeout_s * 2))
         while step <= self.steps:
             self._check()
             time.sleep(self.step_s)
@@ -493,7 +503,8 @@ def host_main(args) -> int:
         sims[k] = SimAgent(k, counts, timeline, args.step_s, args.steps)
         addr = args.addr or f"127.0.{(k + 2) // 250}.{(k + 2) % 250 + 1}"
         na = NodeAgent(k, addr, args.nproc, [], Path(args.run_dir), args.store, token,
-                       args.heartbeat_interval, agent=sims[k])
+                       args.heartbeat_interval, agent=sims[k], heartbeat_timeout_s=args.heartbeat_timeout,
+                       open_store=lambda: open_store(args.store, counts, "step"))
         na.store = CountingStore(na.store, counts, "agent")
         na.ch.store = na.store
         agents[k] = na

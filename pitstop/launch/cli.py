@@ -296,7 +296,7 @@ def _launch(args) -> int:
         where = endpoint if spec.rdzv_backend != "etcd" else etcd_spec(endpoint, _job_id(token))
         setup_logging()
         return NodeAgent(node_rank, args.local_addr or "127.0.0.1", args.nproc_per_node, script, Path(args.run_dir),
-                         where, token, cfg.heartbeat_interval_s).run()
+                         where, token, cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s).run()
     if spec.rdzv_backend == "etcd":
         from pitstop.launch.supervisor import supervise
 

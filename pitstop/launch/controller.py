@@ -232,6 +232,7 @@ class Controller:
         self._persisted = ""
         self._persist_at = 0.0
         self._last_look: Dict[str, float] = {}
+        self._disown_at: List[tuple] = []             # (when, key): owned only that long (_admit)
 
     def _refused(self, key: str, reason: str) -> None:
         log.warning("refused %s: %s", key, reason)
@@ -329,22 +330,32 @@ class Controller:
         try:
             while self.exit_code is None:
                 if self._due("reassert", self.REASSERT_S):  # junk over the controller's own messages
+                    while self._disown_at and self._disown_at[0][0] <= time.monotonic():
+                        self.ch.disown(self._disown_at.pop(0)[1])
                     self.ch.reassert()
-                if self._due("commit", self.LOOK_S):
+                if self.spec.agents_apart:
+                    # the agents speak for their ranks: a poisoned step comes as a link line
+                    # (launch.hub), so the last commit is only needed while a change waits for it
+                    if self._due("commit", self.LOOK_S if self.pending else self.IDLE_LOOK_S):
+                        self._read_committed()
+                elif self._due("commit", self.LOOK_S):
                     self._read_committed()
-                    if self.spec.agents_apart:
-                        self._watch_poison()
                 if self.expected and self._due("admit", self.LOOK_S):
                     self._admit()
-                elif not self.expected and self._due("applicants", self.LOOK_S):
+                elif not self.expected and self._due("applicants", self.IDLE_LOOK_S):
                     self._applicants()
                 self._settle()
                 for p in self.agent.poll():
                     self._on_exit(p)
+                for p, silent in self.agent.take_hung() if self.spec.agents_apart else ():
+                    self._hung(p, silent)
                 self._settle()  # a loss seen just now may be all there is to gather (see _settle)
-                if self._due("heartbeats", self.heartbeat_look_s()):
+                # with machines' agents, each watches its own processes' beats (launch.hub) and
+                # reports a silent one: the store holds no per-process heartbeat to read
+                if not self.spec.agents_apart and self._due("heartbeats", self.heartbeat_look_s()):
                     self._check_heartbeats()
-                if self._due("drains", self.LOOK_S):
+                busy = self.drains.current is not None or bool(self.drains.queue)
+                if self._due("drains", self.LOOK_S if busy else self.DRAIN_LOOK_S):
                     self.drains.check()
                 self._progress()
                 self._refill()
@@ -367,8 +378,20 @@ class Controller:
     #: loop turns every 10 ms, so looking at every turn was ~400 operations a second on the one
     #: store, whatever the job did. 50 ms is a fifth of a heartbeat interval.
     LOOK_S = 0.05
+    #: The same for what nobody waits on: the last commit while no change needs it (with machines'
+    #: agents), applicants that were never started by an agent.
+    IDLE_LOOK_S = 1.0
+    #: How often the warmup records and the standbys' warmup reports are looked for (two store
+    #: operations per standby that has not reported; one started without a warmup never does).
+    WARM_LOOK_S = 1.0
+    #: How often a drain request (``pitstop drain``, a person's or a health check's) is looked for.
+    DRAIN_LOOK_S = 0.25
     #: How often the controller's own messages are checked for junk written over them.
     REASSERT_S = 0.25
+    #: How long an admitted process's verdict is kept against junk: it reads it within a store
+    #: round trip (it polls for it), and one that misses it says hello again every second. Kept
+    #: for good, every process's verdict cost two store operations at every reassertion.
+    VERDICT_OWNED_S = 10.0
 
     def heartbeat_look_s(self) -> float:
         """How often every process's heartbeat is read (two store operations each): a quarter of
@@ -501,6 +524,7 @@ class Controller:
                 continue
             del self.expected[slot]
             self.ch.put(keys.join(slot, "verdict"), {"ok": True, "slot": slot})
+            self._disown_at.append((time.monotonic() + self.VERDICT_OWNED_S, keys.join(slot, "verdict")))
             pid = exp["proc"].pid if exp["proc"].pid is not None else hello["pid"]  # a remote agent's child
             m = Member(slot, exp["proc"], ProcessInfo(hello["host"], pid), exp["standby"], node=exp.get("node", 0),
                        machine=exp.get("machine", False))
@@ -659,6 +683,17 @@ class Controller:
                                   role=self._role_of_slot(m.slot))
                 self.agent.kill(m.proc, signal.SIGKILL)  # its exit is handled as a failure
                 m.last_beat = now + 3600
+
+    def _hung(self, p: Any, silent: float) -> None:
+        """A machine's agent reports one of its processes silent for the heartbeat timeout: as
+        :meth:`_check_heartbeats` does for this machine's, it is killed, and its exit handled as
+        a failure."""
+        slot = self._slot_of_proc(p)
+        if slot is None or not p.running:
+            return
+        self.events.write("hung", slot=slot, pid=p.pid, silent_s=round(silent, 2), role=self._role_of_slot(slot),
+                          seen_by="agent")
+        self.agent.kill(p, signal.SIGKILL)
 
     # ------------------------------------------------------------------ unplanned
     #: Processes lost within this many seconds of the first are one failure (a machine's
@@ -922,7 +957,7 @@ class Controller:
     def _watch_warmup(self) -> None:
         """Log the records that workers publish and the warmups that standbys report."""
         now = time.monotonic()
-        if now - self._warm_check < 0.25:
+        if now - self._warm_check < self.WARM_LOOK_S:
             return
         self._warm_check = now
         for cls in ("only", "first", "middle", "last"):
@@ -987,7 +1022,8 @@ def start_head_agent(spec: LaunchSpec, token: str, store_spec: str, host: str) -
     env = dict(os.environ, **{ENV_TOKEN: token})
     cmd = [sys.executable, "-m", "pitstop.launch.node_agent", "--node", "0", "--addr", spec.local_addr or host,
            "--nproc", str(spec.nproc_per_node), "--run-dir", str(spec.run_dir), "--store", store_spec,
-           "--heartbeat-interval", str(spec.config.heartbeat_interval_s), "--", *spec.argv]
+           "--heartbeat-interval", str(spec.config.heartbeat_interval_s),
+           "--heartbeat-timeout", str(spec.config.heartbeat_timeout_s), "--", *spec.argv]
     log_path = Path(spec.run_dir) / "logs" / "agent-0.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:

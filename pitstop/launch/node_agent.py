@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import re
 import signal
 import socket
@@ -37,13 +38,16 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from pitstop import protocol
 from pitstop.errors import PitstopError
 from pitstop.launch.agent import Agent, Proc
+from pitstop.launch.hub import LocalHub
 from pitstop.protocol import Channel
 from pitstop.runtime import keys
+from pitstop.runtime.local import ENV_AGENT_SOCK
+from pitstop.store import is_etcd
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +81,8 @@ class NodeAgent:
     """The loop of one machine's agent (see the module docstring)."""
 
     def __init__(self, node: int, addr: str, nproc: int, argv: Sequence[str], run_dir: Path, store_spec: str,
-                 token: str, heartbeat_interval_s: float = 0.5, agent: Optional[Agent] = None) -> None:
+                 token: str, heartbeat_interval_s: float = 0.5, agent: Optional[Agent] = None,
+                 heartbeat_timeout_s: float = 5.0, open_store: Optional[Callable[[], object]] = None) -> None:
         if not token:
             raise PitstopError("a machine's agent needs the job token: set PITSTOP_JOB_TOKEN to the same secret "
                                "on every machine (for example exported before srun)")
@@ -94,6 +99,18 @@ class NodeAgent:
         self.beats = 0
         self.answered = 0
         """The newest probe answered (an older one, replayed, is not answered again)."""
+        self.store_spec = store_spec
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.open_store = open_store or (lambda: connect(store_spec))
+        """A store connection for each of the hub's vote workers."""
+        self.hub: Optional[LocalHub] = None
+        """Its ranks' line (:mod:`pitstop.launch.hub`): their beats, hangs and the step's vote."""
+        self.slot_names: Dict[int, str] = {}
+        """The slot each process it started was given (the hub knows processes by slot)."""
+        self._hub_events: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()  # the hub's thread wakes the loop
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self.link = None
         """The link to the controller (:class:`pitstop.launch.link.AgentLink`), once open."""
         self.reported = False
@@ -112,6 +129,8 @@ class NodeAgent:
         out[ENV_NODE_HOST] = self.addr
         out[ENV_NODE] = str(self.node)
         out[ENV_AGENT_PID] = str(os.getpid())
+        if self.hub is not None:
+            out[ENV_AGENT_SOCK] = self.hub.name
         return out
 
     def _command(self, k: str, cmd: dict) -> None:
@@ -130,6 +149,8 @@ class NodeAgent:
                 return
             p = self.agent.start(name, self.argv, env)
             self.names[name] = p
+            if str(env.get("PITSTOP_SLOT", "")).isdigit():
+                self.slot_names[int(env["PITSTOP_SLOT"])] = name
             self.ch.put(keys.node_event(self.node, name, "started"), {"pid": p.pid})
             self.reported = True
             log.info("[node %d] started %s (pid %d)", self.node, name, p.pid)
@@ -180,6 +201,41 @@ class NodeAgent:
     def _done(self) -> bool:
         return self.ch.read(keys.DONE, protocol.FLAG) is not None
 
+    # ------------------------------------------------------------------ the hub's reports
+    def _from_hub(self, what: str, a: int, b) -> None:
+        """Called on the hub's thread: queued for the loop, which owns the store client."""
+        self._hub_events.put((what, a, b))
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    def _hub_reports(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                what, a, b = self._hub_events.get_nowait()
+            except queue.Empty:
+                return
+            if what == "hung":  # a rank silent for the heartbeat timeout: the controller decides
+                name = self.slot_names.get(a)
+                p = self.names.get(name) if name else None
+                if p is not None and p.running:
+                    log.warning("[node %d] %s (slot %d) silent for %.1fs", self.node, name, a, b)
+                    self.ch.put(keys.node_event(self.node, name, "hung"), {"pid": p.pid, "silent_s": round(b, 2)})
+                    self.reported = True
+            elif what == "poison" and self.linked:  # a stayer's step broke: the controller probes at once
+                self.link.send(f"poison {a} {b}".encode())
+
+    def _start_hub(self) -> None:
+        self.hub = LocalHub(LocalHub.new_name(self.node), self.token, self.open_store, self.heartbeat_timeout_s,
+                            on_hung=lambda slot, silent: self._from_hub("hung", slot, silent),
+                            on_poison=lambda g, st: self._from_hub("poison", g, st),
+                            blocking_get=not is_etcd(self.store_spec)).start()
+
     #: While linked, how often the agent checks its own sealed messages for junk written over them.
     REASSERT_S = 5.0
 
@@ -195,6 +251,7 @@ class NodeAgent:
         Unlinked (before the link is up, or once a controller died and until its successor
         publishes a new address), it polls the store every interval: commands, the probe, the
         end of the job, and writes its heartbeat there."""
+        self._start_hub()
         self.ch.put(keys.node(self.node, "hello"), {"node": self.node, "host": socket.gethostname(), "addr": self.addr,
                                                    "nproc": self.nproc, "pid": os.getpid()})
         last_beat = last_look = last_reassert = 0.0
@@ -223,6 +280,7 @@ class NodeAgent:
                 for p in self.agent.poll():
                     self.ch.put(keys.node_event(self.node, p.name, "exit"), {"pid": p.pid, "exit": p.exit})
                     self.reported = True
+                self._hub_reports()
                 if self.reported and self.linked:
                     self.link.send(b"ev")
                 self.reported = False
@@ -246,7 +304,7 @@ class NodeAgent:
                     return 0
                 wait = self.interval if self.linked else min(self.interval, 0.02)
                 self.agent.wait_exit(max(0.0, min(wait, last_beat + self.interval - time.monotonic())),
-                                     [self.link.sock] if self.linked else [])
+                                     [self._wake_r] + ([self.link.sock] if self.linked else []))
         except (RuntimeError, OSError) as exc:  # the store went away: the head is gone
             log.warning("[node %d] lost the control store (%s); stopping this machine's processes", self.node,
                         str(exc).splitlines()[0])
@@ -255,6 +313,8 @@ class NodeAgent:
             if self.link is not None:  # not a clean leave: the controller sees the close (the store is gone anyway)
                 self.link.close()
             self.agent.close()
+            if self.hub is not None:
+                self.hub.close()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -269,6 +329,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--store", required=True)
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("script", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
@@ -277,7 +338,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parse_spec(args.store)  # a clear error for a bad address
     setup_logging()
     return NodeAgent(args.node, args.addr, args.nproc, script, Path(args.run_dir), args.store,
-                     protocol.take_token_from_env(), args.heartbeat_interval).run()
+                     protocol.take_token_from_env(), args.heartbeat_interval,
+                     heartbeat_timeout_s=args.heartbeat_timeout).run()
 
 
 def setup_logging() -> None:

@@ -54,6 +54,9 @@ class RemoteProc:
     pid: Optional[int] = None
     """Known once the agent reports it started."""
     exit: Optional[str] = None
+    cmds: List[str] = field(default_factory=list)
+    """The keys of the commands sent about it: owned (reasserted against junk) until the agent
+    acted on them (it reported the start, or the exit)."""
 
     @property
     def running(self) -> bool:
@@ -136,6 +139,8 @@ class RemoteAgents:
         # a normal loop's gap counts as seen; a longer one is blind time (a third of the
         # confirming silence at most, so a blind spell cannot confirm a loss by itself)
         self._lookout = Lookout(max(4 * poll_s, min(0.5, self.confirm_s / 3)) or 0.5)
+        self._hung: List[tuple] = []
+        self._hung_seen: set = set()
         self.links: Optional[LinkServer] = None
         """Each agent's TCP link (:mod:`pitstop.launch.link`): a machine whose agent dies is lost at once."""
         if link_host is not None:
@@ -183,11 +188,13 @@ class RemoteAgents:
         """Whether machine ``node``'s agent holds a verified link now."""
         return self.links is not None and node in self.links.links
 
-    def _send(self, node: int, body: dict) -> None:
+    def _send(self, node: int, body: dict) -> str:
         self.cmds[node] += 1
-        self.ch.put(keys.node_cmd(node, self.cmds[node]), body)
+        key = keys.node_cmd(node, self.cmds[node])
+        self.ch.put(key, body)
         if self.linked(node):  # the line only wakes the agent: it acts on the sealed command
             self.links.send(node, b"cmd")
+        return key
 
     def start(self, name: str, env: Dict[str, str], node: int) -> RemoteProc:
         if name in self.procs:
@@ -199,12 +206,12 @@ class RemoteAgents:
         if self.nodes[node].lost:
             p.exit = f"machine {node} is lost"
         else:
-            self._send(node, {"op": "start", "name": name, "env": env})
+            p.cmds.append(self._send(node, {"op": "start", "name": name, "env": env}))
         return p
 
     def kill(self, p: RemoteProc, sig: int = signal.SIGKILL) -> None:
         if p.running and not self.nodes[p.node].lost:
-            self._send(p.node, {"op": "kill", "name": p.name, "sig": int(sig)})
+            p.cmds.append(self._send(p.node, {"op": "kill", "name": p.name, "sig": int(sig)}))
 
     # ------------------------------------------------------------------ watching
     def suspect(self) -> None:
@@ -309,10 +316,28 @@ class RemoteAgents:
                 st = self.ch.read(keys.node_event(p.node, p.name, "started"), protocol.NODE_STARTED)
                 if st is not None:
                     p.pid = st["pid"]
+                    self._acted(p)
             ex = self.ch.read(keys.node_event(p.node, p.name, "exit"), protocol.NODE_EXIT)
             if ex is not None:
                 p.exit = ex["exit"]
+                self._acted(p)
                 out.append(p)
+            elif p.name not in self._hung_seen:
+                h = self.ch.read(keys.node_event(p.node, p.name, "hung"), protocol.NODE_HUNG)
+                if h is not None:
+                    self._hung_seen.add(p.name)
+                    self._hung.append((p, float(h["silent_s"])))
+        return out
+
+    def _acted(self, p: RemoteProc) -> None:
+        """The agent acted on what was sent about ``p``: those commands need no defending."""
+        for key in p.cmds:
+            self.ch.disown(key)
+        p.cmds.clear()
+
+    def take_hung(self) -> List[tuple]:
+        """``(process, silent_s)`` for each process its agent reported silent since the last call."""
+        out, self._hung = self._hung, []
         return out
 
     def _link_lines(self, k: int, now: float, dirty: set) -> None:
@@ -326,6 +351,8 @@ class RemoteAgents:
                 continue
             if words == [b"ev"]:
                 dirty.add(k)
+            elif len(words) == 3 and words[0] == b"poison" and words[1].isdigit() and words[2].isdigit():
+                self.suspect()  # a stayer's step broke on a dead peer: probe every machine now
             elif len(words) == 2 and words[0] in (b"beat", b"pong") and words[1].isdigit():
                 n = int(words[1])
                 if words[0] == b"beat":

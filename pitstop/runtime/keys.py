@@ -97,7 +97,7 @@ def node_cmd(k: int, n: int) -> str:       # sealed: the controller's n-th comma
     return f"ctl/node/{k}/cmd/{n}"
 
 
-def node_event(k: int, name: str, what: str) -> str:  # started | exit: a process machine k's agent runs
+def node_event(k: int, name: str, what: str) -> str:  # started | exit | hung: a process machine k's agent runs
     return f"ctl/node/{k}/{what}/{name}"
 
 
@@ -117,5 +117,5 @@ def all_patterns(generations=(0, 1, 2), steps=range(0, 12), slots=range(0, 16)):
     out += [record(c) for c in ("only", "first", "middle", "last")]
     for k in range(5):
         out += [node(k, "hello"), node(k, "hb"), node(k, "probe"), node(k, "pong")] + [node_cmd(k, n) for n in range(1, 6)]
-        out += [node_event(k, f"w{r}", w) for r in range(8) for w in ("started", "exit")]
+        out += [node_event(k, f"w{r}", w) for r in range(8) for w in ("started", "exit", "hung")]
     return out

@@ -111,8 +111,7 @@ class Session:
         self.ring = BuddyRing(self.rank, self.cfg, self.fw, self.model, optimizer, self.registry, self.fence)
         self.recovery = Recovery(self)
         self.drain = Drain(self, switch_at_next_step)
-        self.vote = Vote(self.m.channel, self.m.store, self.layout.world_size, self.fence,
-                         self.cfg.collective_timeout_s * 2) if self.controlled else None
+        self.vote = self._new_vote(self.m.channel, self.m.store) if self.controlled else None
         self.hook_s = 0.0
         """Seconds spent in :meth:`commit` on committed steps (the steady-state overhead)."""
         self.boundary_s: Deque[Tuple[int, float]] = collections.deque(maxlen=4096)
@@ -174,10 +173,20 @@ class Session:
             except Exception as exc:  # noqa: BLE001 - any failure to connect
                 raise PitstopError(f"{self.prefix()} async_commit: no spare store connection for the vote's thread, "
                                    f"and opening one failed: {exc}") from exc
-        vote = Vote(self.ch.sibling(conn), conn, self.layout.world_size, self.fence, self.cfg.collective_timeout_s * 2)
+        vote = self._new_vote(self.ch.sibling(conn), conn)
         pipe = Pipeline(self.ring, vote, self.rank, exchange)
         pipe.hold_step(self.fw.state_writers(self.model, self.optimizer))
         return pipe
+
+    def _new_vote(self, ch, store) -> Vote:
+        """The vote over ``ch``: through this machine's agent when it offers a line (its arrival
+        counted with its machine's, :mod:`pitstop.runtime.local`), else straight to the store."""
+        if self.m.local is not None:
+            from pitstop.runtime.local import LocalVote
+
+            return LocalVote(ch, store, self.layout.world_size, self.fence, self.cfg.collective_timeout_s * 2,
+                             self.m.local)
+        return Vote(ch, store, self.layout.world_size, self.fence, self.cfg.collective_timeout_s * 2)
 
     # ------------------------------------------------------------------ what the pieces read
     @property

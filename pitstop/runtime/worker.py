@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch.distributed as dist
 
@@ -63,6 +63,9 @@ class Membership:
     joined_at: float = field(default_factory=time.time)
     channel: Optional[Channel] = None
     """The authenticated view of ``store``: every control message goes through it."""
+    local: Optional[Any] = None
+    """The line to this machine's agent (:class:`pitstop.runtime.local.LocalLink`) when the agent
+    offers one (a job of several machines): the heartbeat and the step's vote go there."""
     connections: Optional[ConnectionPool] = None
     """Spare connections to ``store``, opened off the critical path, for the threads a joiner
     or a drain starts (the end-of-generation watch, a drain's channel and hand-off pair): a
@@ -170,7 +173,15 @@ class Heartbeat(_StoreThread):
     only matters when that thread is stuck, so nothing waits forever.
     """
 
-    def __init__(self, slot: int, interval_s: float, main: Channel, conn: Optional[dist.Store] = None) -> None:
+    #: With a line to the machine's agent (:mod:`pitstop.runtime.local`), how often the thread
+    #: still looks at the store itself: reassertions and the watchers, which are the fallback of
+    #: the end-of-generation watch (a key watch that wakes within a round trip of the write).
+    #: At every beat that look cost each rank 3 store operations a beat, which is what made
+    #: the store's load grow with ranks.
+    LOCAL_LOOK_S = 30.0
+
+    def __init__(self, slot: int, interval_s: float, main: Channel, conn: Optional[dist.Store] = None,
+                 local: Optional[Any] = None) -> None:
         super().__init__(f"pitstop-heartbeat-{slot}", main, conn)  # what the process owns is reasserted at every beat
         self.slot = slot
         self.beats = 0
@@ -178,12 +189,22 @@ class Heartbeat(_StoreThread):
         self.watchers: List[Callable[[Channel], None]] = []
         self.grace_s = 0.0
         """How long a worker's training thread gets to stop by itself once the store is gone."""
+        self.local = local
+        """The line to the machine's agent (:class:`pitstop.runtime.local.LocalLink`): beats go
+        there, and the agent tells a silent rank to the controller."""
+        self._looked = 0.0
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.beats += 1
-                self.channel.put(keys.heartbeat(self.slot), {"n": self.beats}, own=False)
+                if self.local is not None and self.local.send(f"beat {self.beats}"):
+                    if time.monotonic() - self._looked < self.LOCAL_LOOK_S:
+                        self._stop.wait(self.interval_s)
+                        continue
+                    self._looked = time.monotonic()
+                else:
+                    self.channel.put(keys.heartbeat(self.slot), {"n": self.beats}, own=False)
                 self.channel.reassert()
                 for w in list(self.watchers):
                     w(self.channel)
@@ -306,13 +327,18 @@ def _authenticate(ch: Channel, standby: bool, rank: Optional[int], timeout_s: fl
     raise AuthError(f"no verdict on {vk} within {timeout_s:.0f}s (pid {hello['pid']}): is the controller alive?")
 
 
+#: How often a standby whose key watch is running still reads its assignment and the job's end
+#: itself: 4 store operations a look. At 0.1 s that was 40 a second for every standby.
+STANDBY_LOOK_S = 2.0
+
+
 def _wait_assignment(ch: Channel, slot: int, world: int, pool: Optional[ConnectionPool] = None) -> Optional[dict]:
     """Block until the controller gives this standby a role (None: the job is over).
 
     With a connection of its own from ``pool``, a :class:`KeyWatch` blocks on the
     assignment key and wakes this loop within a round trip of the controller's write
     (polling alone found it 10 ms late on average, on the replacement's critical path);
-    the loop still looks every 0.1 s, for the end of the job and as the fallback."""
+    the loop still looks every :data:`STANDBY_LOOK_S`, for the end of the job and as the fallback."""
     woke = threading.Event()
     watch, conn = None, None
     if pool is not None:
@@ -334,8 +360,8 @@ def _wait_assignment(ch: Channel, slot: int, world: int, pool: Optional[Connecti
                 return None
             if watch is None:
                 time.sleep(0.02)
-            else:
-                woke.wait(0.1)
+            else:  # the watch wakes this loop at the write; the look is the fallback (and the job's end)
+                woke.wait(STANDBY_LOOK_S)
                 woke.clear()
     finally:
         if watch is not None:
@@ -421,6 +447,18 @@ def _open_spare_connections(store, slot: int):
     return spare
 
 
+def _local_link(ch: Channel, standby: bool):
+    """The line to this machine's agent, when it offers one (``PITSTOP_AGENT_SOCK``, set by a
+    machine's agent for the processes it starts with a slot), else None."""
+    from pitstop.runtime.local import ENV_AGENT_SOCK, LocalLink
+
+    name, slot = os.environ.get(ENV_AGENT_SOCK), os.environ.get(ENV_SLOT)
+    if not name or not slot:
+        return None
+    return LocalLink(name, int(slot), None if standby else int(os.environ["RANK"]),
+                     int(os.environ.get(ENV_GENERATION, 0)), ch.token)
+
+
 def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], dict]] = None) -> Membership:
     """Become a member of the job described by the environment, and initialise torch.distributed.
 
@@ -468,8 +506,9 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
     # ends of a new socket; seen as a worker declared hung, silent 5.0 s, before its first
     # beat). Opened first, the first beat follows the verdict within one store round trip.
     hb_conn = store_mod.connect(os.environ[ENV_STORE], timeout=timedelta(seconds=30), mirrored=True)
+    local = _local_link(ch, standby)
     slot = _authenticate(ch, standby, None if standby else int(os.environ["RANK"]))
-    hb = Heartbeat(slot, cfg.heartbeat_interval_s, ch, hb_conn).start()
+    hb = Heartbeat(slot, cfg.heartbeat_interval_s, ch, hb_conn, local).start()
     raw = ConnectionPool(store)
     raw.reserve(THREAD_CONNECTIONS)
     epoch = int(os.environ.get(ENV_EPOCH, 0))
@@ -496,12 +535,15 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
             os._exit(0)
         role, gen, mode = assignment["role"], assignment["generation"], assignment["mode"]
         os.environ["RANK"] = str(role)
+        if local is not None:  # it votes from now on: its agent counts it in its machine's arrivals
+            local.send(f"role {role} {gen}")
     else:
         assignment, spare = {}, None
         role, gen = int(os.environ["RANK"]), int(os.environ.get(ENV_GENERATION, 0))
         mode = "restart" if os.environ.get(ENV_RESUME) else "worker"
     hb.grace_s = cfg.collective_timeout_s + 5.0  # a worker's training thread stops by itself at its boundary
-    _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb, channel=ch, connections=raw)
+    _CURRENT = Membership(role, world, gen, mode, slot, epoch, store, cfg, assignment, hb, channel=ch, connections=raw,
+                          local=local)
     # the world group's values and every communicator's rendezvous (gloo addresses) are sealed
     store_mod.JOB_TOKEN = ch.token
     init_world(store, role, world, timeout, epoch=epoch, detached=_CURRENT.joiner, spare=spare)
