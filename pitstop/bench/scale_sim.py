@@ -49,7 +49,7 @@ from pitstop.runtime import keys, worker
 from pitstop.runtime.config import RuntimeConfig
 from pitstop.runtime.local import ENV_AGENT_SOCK, LocalLink, LocalVote
 from pitstop.runtime.vote import Vote
-from pitstop.store import ENV_STORE, connect
+from pitstop.store import ENV_STORE, connect, is_etcd
 
 log = logging.getLogger(__name__)
 
@@ -252,16 +252,22 @@ class SimRank:
         standby = env.get(worker.ENV_STANDBY) == "1"
         store = open_store(spec, self.counts, "join")
         ch = Channel(store, token, lambda k, r: log.warning("[%s] refused %s: %s", self.name, k, r))
-        hb_conn = open_store(spec, self.counts, "heartbeat")
         self._check()
         if env.get(ENV_AGENT_SOCK):  # as worker.join: the line to the machine's agent first
             self.local = LocalLink(env[ENV_AGENT_SOCK], int(env[worker.ENV_SLOT]),
                                    None if standby else int(env["RANK"]), self.gen, token)
+        local = self.local
         slot = worker._authenticate(ch, standby, None if standby else int(env["RANK"]),
-                                    slot=int(env[worker.ENV_SLOT]), host=env.get("PITSTOP_NODE_HOST"), pid=self.pid)
+                                    slot=int(env[worker.ENV_SLOT]), host=env.get("PITSTOP_NODE_HOST"), pid=self.pid,
+                                    said=None if local is None else (lambda: local.send("said")))
         self._check()
+        # as worker.join: with the agent's line (and a TCPStore) the heartbeat shares the process's
+        # connection and the pool keeps one spare; without it, a connection of its own and four spares
+        shared = self.local is not None and not is_etcd(spec)
+        hb_conn = CountingStore(store._inner, self.counts, "heartbeat") if shared else \
+            open_store(spec, self.counts, "heartbeat")
         self.hb = worker.Heartbeat(slot, cfg.heartbeat_interval_s, ch, hb_conn, self.local).start()
-        pool = _Pool([open_store(spec, self.counts, "watch") for _ in range(worker.THREAD_CONNECTIONS)])
+        pool = _Pool([open_store(spec, self.counts, "watch") for _ in range(1 if shared else worker.THREAD_CONNECTIONS)])
         step = 1
         if standby:
             a = worker._wait_assignment(ch, slot, world, pool)

@@ -340,7 +340,16 @@ class Controller:
                         self._read_committed()
                 elif self._due("commit", self.LOOK_S):
                     self._read_committed()
-                if self.expected and self._due("admit", self.LOOK_S):
+                if self.spec.agents_apart and self.expected:
+                    # the agents say whose hello was written; every slot is looked at once a second,
+                    # for a process that could not say so (looking at all of them every 50 ms was
+                    # O(processes) operations per look while thousands started)
+                    told = self.agent.take_hellos()
+                    if self._due("admit", self.IDLE_LOOK_S):
+                        self._admit()
+                    elif told:
+                        self._admit(told)
+                elif self.expected and self._due("admit", self.LOOK_S):
                     self._admit()
                 elif not self.expected and self._due("applicants", self.IDLE_LOOK_S):
                     self._applicants()
@@ -508,13 +517,15 @@ class Controller:
             self.events.write("adopted", name=cmd["name"], slot=slot, node=node)
 
     # ------------------------------------------------------------------ admission
-    def _admit(self) -> None:
+    def _admit(self, only: Optional[set] = None) -> None:
         """Admit every process the agent started whose sealed hello arrived; refuse applicants.
 
         Slots are independent: one that never says hello blocks nobody. A hello that does
         not verify is refused (logged) and the slot keeps waiting for a good one, which the
-        real process re-sends every second."""
+        real process re-sends every second. ``only``: look at these slots alone."""
         for slot, exp in list(self.expected.items()):
+            if only is not None and slot not in only:
+                continue
             hello = self.ch.read(keys.join(slot, "hello"), protocol.HELLO)
             if hello is None:
                 continue

@@ -78,12 +78,13 @@ class LocalHub:
 
     def __init__(self, name: str, token, open_store: Callable[[], Any], heartbeat_timeout_s: float,
                  on_hung: Callable[[int, float], None], on_poison: Callable[[int, int], None] = lambda g, s: None,
-                 blocking_get: bool = False, vote_timeout_s: float = 600.0) -> None:
+                 blocking_get: bool = False, vote_timeout_s: float = 600.0,
+                 on_said: Callable[[int], None] = lambda slot: None) -> None:
         self.name = name
         self.token = token.encode() if isinstance(token, str) else bytes(token)
         self.open_store = open_store
         self.timeout_s = heartbeat_timeout_s
-        self.on_hung, self.on_poison = on_hung, on_poison
+        self.on_hung, self.on_poison, self.on_said = on_hung, on_poison, on_said
         self.blocking_get = blocking_get
         self.vote_timeout_s = vote_timeout_s
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -207,6 +208,8 @@ class LocalHub:
             if words[:1] == [b"beat"] and len(words) == 2:
                 int(words[1])
                 c.last_beat, c.hung = time.monotonic(), False
+            elif words == [b"said"]:
+                self.on_said(c.slot)
             elif words[:1] == [b"role"] and len(words) == 3:
                 c.role, c.gen = int(words[1]), int(words[2])
                 if c.role < 0 or c.gen < 0:
@@ -221,7 +224,7 @@ class LocalHub:
                 self.on_poison(g, st)
                 self._arrive(c, g, st, "now", None)
             else:
-                raise ValueError("expected beat, role, arrive or poisoned")
+                raise ValueError("expected said, beat, role, arrive or poisoned")
         except (ValueError, UnicodeDecodeError) as exc:
             self._refuse(c, f"{line[:60]!r}: {exc}", close=False)
 

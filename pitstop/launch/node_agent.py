@@ -229,11 +229,14 @@ class NodeAgent:
                     self.reported = True
             elif what == "poison" and self.linked:  # a stayer's step broke: the controller probes at once
                 self.link.send(f"poison {a} {b}".encode())
+            elif what == "said" and self.linked:  # a process's hello is written: the controller reads it
+                self.link.send(f"hello {a}".encode())
 
     def _start_hub(self) -> None:
         self.hub = LocalHub(LocalHub.new_name(self.node), self.token, self.open_store, self.heartbeat_timeout_s,
                             on_hung=lambda slot, silent: self._from_hub("hung", slot, silent),
                             on_poison=lambda g, st: self._from_hub("poison", g, st),
+                            on_said=lambda slot: self._from_hub("said", slot, None),
                             blocking_get=not is_etcd(self.store_spec)).start()
 
     #: While linked, how often the agent checks its own sealed messages for junk written over them.

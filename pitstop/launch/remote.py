@@ -140,6 +140,7 @@ class RemoteAgents:
         # confirming silence at most, so a blind spell cannot confirm a loss by itself)
         self._lookout = Lookout(max(4 * poll_s, min(0.5, self.confirm_s / 3)) or 0.5)
         self._hung: List[tuple] = []
+        self._hellos: set = set()
         self._hung_seen: set = set()
         self.links: Optional[LinkServer] = None
         """Each agent's TCP link (:mod:`pitstop.launch.link`): a machine whose agent dies is lost at once."""
@@ -335,6 +336,11 @@ class RemoteAgents:
             self.ch.disown(key)
         p.cmds.clear()
 
+    def take_hellos(self) -> set:
+        """The slots whose hello an agent said was written, since the last call."""
+        out, self._hellos = self._hellos, set()
+        return out
+
     def take_hung(self) -> List[tuple]:
         """``(process, silent_s)`` for each process its agent reported silent since the last call."""
         out, self._hung = self._hung, []
@@ -351,6 +357,8 @@ class RemoteAgents:
                 continue
             if words == [b"ev"]:
                 dirty.add(k)
+            elif len(words) == 2 and words[0] == b"hello" and words[1].isdigit():
+                self._hellos.add(int(words[1]))
             elif len(words) == 3 and words[0] == b"poison" and words[1].isdigit() and words[2].isdigit():
                 self.suspect()  # a stayer's step broke on a dead peer: probe every machine now
             elif len(words) == 2 and words[0] in (b"beat", b"pong") and words[1].isdigit():

@@ -6,6 +6,7 @@
       connect @pitstop-<job>-<node>  ---->  "nonce <hex>"
       "hello <slot> <role|-> <g> <seal>" -> verified: seal_raw(token, "local/<slot>", nonce)
                                      <----  "ok"
+      "said"                         ---->  its sealed hello is in the store: the controller reads it
       "beat <n>", every interval     ---->  silent for the heartbeat timeout: reported hung
       "role <r> <g>"                 ---->  a standby that took a role (it votes from now on)
       "arrive <g> <s> <mode> <world>" --->  when every role of this machine arrived: one add

@@ -162,7 +162,9 @@ class Session:
             self.info("the boundary votes synchronously: the shard group %s has no communicator of the buddy "
                       "ring's own (a composite group)", self.fw.shard_kind)
             return None
-        conn = self.m.take_connection()
+        # through the machine's agent the vote's thread only touches the store to settle a poisoned
+        # step: it shares the process's connection (a TCPStore client serialises its operations)
+        conn = self.m.store if self.m.local is not None and not _is_etcd_store() else self.m.take_connection()
         if conn is None:  # never fall back alone: every rank must vote the same way at every step
             import os
 
@@ -648,3 +650,11 @@ class Session:
         for phase, targets in points.items():
             for obj, name in targets:
                 wrap(obj, name, lambda phase=phase: fire(phase))
+
+
+def _is_etcd_store() -> bool:
+    import os
+
+    from pitstop.store import ENV_STORE, is_etcd
+
+    return is_etcd(os.environ.get(ENV_STORE, ""))
