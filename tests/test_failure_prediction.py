@@ -295,3 +295,32 @@ def test_what_if_replays_a_real_recording_whose_programs_do_not_depend_on_dp(tmp
     # on an NVLink network the same program's communication is cheaper than on loopback gloo
     assert w_net["ranks"][0]["breakdown_s"]["comm"] < four["report"]["ranks"][0]["breakdown_s"]["comm"]
     assert "what-if 'dp=1': world 2" in four["stdout"]
+
+
+def test_recovery_costs_from_the_scale_bench_take_the_row_at_the_emulated_world(tmp_path):
+    """`--recovery-costs` on `pitstop bench scale`'s JSON: the row at the emulated world size,
+    else the nearest finished one, and the source names which (a world-8 run's costs would
+    say nothing of 8,192 ranks' control plane)."""
+    import json
+
+    import pytest
+
+    from pitstop.errors import ConfigError
+    from pitstop.launch.emulate import load_recovery_costs
+
+    def row(n, detect, path, **kw):
+        return {"backend": "tcpstore", "ranks": n, "machines": n // 8, "detect_machine_s": detect,
+                "control_path_killed_s": path, **kw}
+
+    f = tmp_path / "scale.json"
+    f.write_text(json.dumps({"rows": [row(64, 0.1, 0.2), row(1024, 0.3, 0.4), row(8192, 9.0, 9.0, error="x"),
+                                      {**row(8192, 0.5, 0.6), "backend": "etcd"}]}))
+    c = load_recovery_costs(f, 1024)
+    assert (c.detect_s, c.plan_s) == (0.3, 0.4) and "at 1024 simulated ranks" in c.source
+    c = load_recovery_costs(f, 8192)  # the 8,192 row failed and etcd's is another backend: the nearest
+    assert (c.detect_s, c.plan_s) == (0.3, 0.4) and "nearest to world 8192, at 1024" in c.source
+    c = load_recovery_costs(f, 48)
+    assert (c.detect_s, c.plan_s) == (0.1, 0.2)
+    f.write_text(json.dumps({"rows": [row(64, 0.1, 0.2, error="roster")]}))
+    with pytest.raises(ConfigError, match="no finished tcpstore row"):
+        load_recovery_costs(f, 64)

@@ -129,7 +129,8 @@ def _parser(more: Optional[Callable] = None) -> argparse.ArgumentParser:
                          "rank; needs --recovery-costs and a topology from `pitstop calibrate`)")
     em.add_argument("--recovery-costs", metavar="PATH",
                     help="with --fault: a real replacement's detection and planning times: a `pitstop launch` run "
-                         "directory, its events.jsonl, or a JSON {detect_s, plan_s}")
+                         "directory, its events.jsonl, a JSON {detect_s, plan_s}, or `pitstop bench scale --json` "
+                         "output (its row at --world-size ranks, or the nearest; the report names it)")
     em.add_argument("--chakra", action="store_true",
                     help="also write the target-scale graph as Chakra execution traces, one file per rank "
                          "(OUT/chakra/et.RANK.et and et.comm_groups.json, for ASTRA-sim); needs protobuf")
@@ -249,7 +250,7 @@ def _emulate(args) -> int:
         if not args.recovery_costs:
             raise PitstopError("--fault needs --recovery-costs PATH: a real replacement's detection and planning "
                                "times (a `pitstop launch` run directory, its events.jsonl, or {detect_s, plan_s})")
-        costs = load_recovery_costs(Path(args.recovery_costs))
+        costs = load_recovery_costs(Path(args.recovery_costs), args.world_size)
     elif args.recovery_costs:
         raise PitstopError("--recovery-costs is read only with --fault rank=R,step=S")
     spec = EmulateSpec(args.world_size, args.tp, args.pp, real, script,

@@ -27,6 +27,7 @@ process starts.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -257,9 +258,32 @@ def what_if(w: "WhatIf", layout: ParallelLayout, topology, traces, report: Dict[
     }
 
 
-def load_recovery_costs(path: Path) -> "RecoveryCosts":
+def scale_row_costs(data: Dict[str, Any], world_size: int, source: str) -> "RecoveryCosts":
+    """The control plane's costs at ``world_size`` from ``pitstop bench scale``'s JSON: its
+    ``tcpstore`` row at that many ranks, else the nearest (by ratio) that finished, and the
+    source says which. A lost machine's costs, as ``--fault`` predicts a machine's loss:
+    ``detect_machine_s`` (the signal to the controller's detection) and
+    ``control_path_killed_s`` (detection to every simulated stayer told)."""
+    from pitstop.emulation.failure import RecoveryCosts
+
+    rows = [r for r in data.get("rows", []) if isinstance(r, dict) and r.get("backend") == "tcpstore"
+            and "error" not in r and r.get("detect_machine_s") is not None
+            and r.get("control_path_killed_s") is not None and isinstance(r.get("ranks"), int)]
+    if not rows:
+        raise ConfigError(f"--recovery-costs {source}: no finished tcpstore row with detect_machine_s and "
+                          "control_path_killed_s (is it `pitstop bench scale --json` output?)")
+    row = min(rows, key=lambda r: (abs(math.log(r["ranks"] / world_size)), -r["ranks"]))
+    which = "at" if row["ranks"] == world_size else f"nearest to world {world_size}, at"
+    return RecoveryCosts(float(row["detect_machine_s"]), float(row["control_path_killed_s"]),
+                         f"{source}: bench scale row {which} {row['ranks']} simulated ranks "
+                         f"({row['machines']} machines)")
+
+
+def load_recovery_costs(path: Path, world_size: Optional[int] = None) -> "RecoveryCosts":
     """The control plane's measured costs from ``path``: a ``pitstop launch`` run directory or its
-    ``events.jsonl`` (its first ``replaced`` event), or a JSON object ``{detect_s, plan_s}``."""
+    ``events.jsonl`` (its first ``replaced`` event), a JSON object ``{detect_s, plan_s}``, or
+    ``pitstop bench scale``'s JSON (the row at ``world_size`` ranks: :func:`scale_row_costs`),
+    which measured the control plane at the emulated scale rather than at a world-8 run's."""
     from pitstop.emulation.failure import RecoveryCosts
     from pitstop.launch.events import EVENTS
 
@@ -283,6 +307,10 @@ def load_recovery_costs(path: Path) -> "RecoveryCosts":
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--recovery-costs {p}: not valid JSON at line {exc.lineno}: {exc.msg}") from None
+    if isinstance(data, dict) and "rows" in data:
+        if world_size is None:
+            raise ConfigError(f"--recovery-costs {p}: a bench scale file needs the emulated world size")
+        return scale_row_costs(data, world_size, str(p))
     return RecoveryCosts.from_dict(data, source=str(p))
 
 
