@@ -162,7 +162,10 @@ def test_a_late_joiner_is_added_on_its_own_and_a_silent_rank_is_reported_hung(se
         out[3] = sb_vote(1, 7, 3, False)
         t.join(20)
         assert out == {r: Verdict.OK for r in range(4)}, out
-        # nobody beats on machine 1: after its 0.5 s timeout, both live ranks are reported
+        # machine 1's ranks beat once, then fall silent: after its 0.5 s timeout both are reported
+        # (before a first beat a rank is still being admitted: FIRST_BEAT_S bounds that)
+        ranks[2][1].send("beat 1")
+        sb.send("beat 1")
         deadline = time.monotonic() + 5
         while len({s for s, _ in hung}) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)

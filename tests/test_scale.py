@@ -24,8 +24,8 @@ def _tails(run_dir: Path) -> str:
 
 @pytest.mark.timeout(420)
 def test_64_simulated_ranks_lose_a_rank_a_machine_and_a_frozen_machine(tmp_path):
-    # a heartbeat timeout with room for a loaded 2-core machine (the bench uses 1.5 s)
-    row = scale.Row("tcpstore", 64, tmp_path, window_s=4.0, heartbeat_timeout=3.0).run()
+    # the bench's heartbeat timeout (3 s) leaves room for many simulated ranks to a process on 2 cores
+    row = scale.Row("tcpstore", 64, tmp_path, window_s=4.0).run()
     assert "error" not in row, f"{row}\n{_tails(tmp_path / 'tcpstore-64')}"
     assert row["errors_seen"] == [], row["errors_seen"]
     # every stayer was told of each change, and each change committed a step after it

@@ -81,7 +81,7 @@ class Row:
     """One job of the bench (see the module docstring)."""
 
     def __init__(self, backend: str, ranks: int, work: Path, nproc: int = 8, hosts: int = 4, step_s: float = 0.25,
-                 heartbeat_interval: float = 0.5, heartbeat_timeout: float = 1.5, window_s: float = 10.0,
+                 heartbeat_interval: float = 0.5, heartbeat_timeout: float = 3.0, window_s: float = 10.0,
                  etcd_endpoint: Optional[str] = None) -> None:
         if ranks % nproc or ranks // nproc < 3:
             raise ValueError(f"ranks({ranks}) must be a multiple of nproc({nproc}) with at least 3 machines")

@@ -56,6 +56,8 @@ class _Conn:
     role: Optional[int] = None
     gen: int = 0
     last_beat: float = 0.0
+    beating: bool = False
+    """It has beaten once (admitted by the controller)."""
     hung: bool = False
 
 
@@ -75,6 +77,10 @@ class LocalHub:
     """The agent's side (see the module docstring). ``open_store`` gives each vote worker a
     store connection of its own; ``blocking_get``: the store's ``get`` waits for a missing key
     (``TCPStore``), so waiting for the verdict costs one operation, not a wait and a get."""
+
+    #: How long a rank may stay silent before its first beat: the bound of its authentication
+    #: (``worker._authenticate``'s 120 s), after which it has given up anyway.
+    FIRST_BEAT_S = 120.0
 
     def __init__(self, name: str, token, open_store: Callable[[], Any], heartbeat_timeout_s: float,
                  on_hung: Callable[[int, float], None], on_poison: Callable[[int, int], None] = lambda g, s: None,
@@ -207,7 +213,7 @@ class LocalHub:
         try:
             if words[:1] == [b"beat"] and len(words) == 2:
                 int(words[1])
-                c.last_beat, c.hung = time.monotonic(), False
+                c.last_beat, c.hung, c.beating = time.monotonic(), False, True
             elif words == [b"said"]:
                 self.on_said(c.slot)
             elif words[:1] == [b"role"] and len(words) == 3:
@@ -260,7 +266,11 @@ class LocalHub:
                     self._refuse(c, f"no hello within {HELLO_S:.0f}s")
                 continue
             silent = now - c.last_beat
-            if not c.hung and silent > self.timeout_s:
+            # before its first beat a rank is still saying hello to the controller (its heartbeat
+            # starts once admitted, and admission waits on the controller): it has the
+            # authentication's bound, not the heartbeat timeout
+            limit = self.timeout_s if c.beating else max(self.timeout_s, self.FIRST_BEAT_S)
+            if not c.hung and silent > limit:
                 c.hung = True
                 self.on_hung(c.slot, silent)
         with self._lock:  # batches whose verdict went out a while ago
