@@ -80,8 +80,8 @@ def _pct(xs: List[float], q: float) -> Optional[float]:
 class Row:
     """One job of the bench (see the module docstring)."""
 
-    def __init__(self, backend: str, ranks: int, work: Path, nproc: int = 8, hosts: int = 4, step_s: float = 0.25,
-                 heartbeat_interval: float = 0.5, heartbeat_timeout: float = 3.0, window_s: float = 10.0,
+    def __init__(self, backend: str, ranks: int, work: Path, nproc: int = 8, hosts: int = 4, step_s: Optional[float] = None,
+                 heartbeat_interval: float = 0.5, heartbeat_timeout: float = 5.0, window_s: float = 10.0,
                  etcd_endpoint: Optional[str] = None) -> None:
         if ranks % nproc or ranks // nproc < 3:
             raise ValueError(f"ranks({ranks}) must be a multiple of nproc({nproc}) with at least 3 machines")
@@ -89,7 +89,11 @@ class Row:
         self.machines = ranks // nproc
         self.spares = 2
         self.hosts = hosts
-        self.step_s, self.window_s = step_s, window_s
+        # the sleep for a step's compute: 0.25 s to 256 ranks, then as many seconds per 1,024
+        # ranks: every simulated rank costs Python time at each boundary, and all of them share
+        # 2 cores (a harness saturated by its own ranks measures itself, not the control plane)
+        self.step_s = step_s if step_s is not None else max(0.25, ranks / 1024)
+        self.window_s = max(window_s, 8 * self.step_s)
         self.hb_interval, self.hb_timeout = heartbeat_interval, heartbeat_timeout
         self.run_dir = work / f"{backend}-{ranks}"
         self.etcd_endpoint = etcd_endpoint
@@ -97,7 +101,7 @@ class Row:
         self.procs: Dict[str, subprocess.Popen] = {}
         self.real = [self.machines - 1, self.machines - 2]  # real machine processes: killed, frozen
         self.out: Dict[str, Any] = {"backend": backend, "ranks": ranks, "machines": self.machines,
-                                    "spare_machines": self.spares, "step_s": step_s,
+                                    "spare_machines": self.spares, "step_s": self.step_s,
                                     "heartbeat_interval_s": heartbeat_interval, "heartbeat_timeout_s": heartbeat_timeout}
 
     # ------------------------------------------------------------------ processes

@@ -502,6 +502,7 @@ def host_main(args) -> int:
     _raise_fd_limit()
     counts, timeline = OpCounts(), Timeline()
     token = os.environ[protocol.ENV_TOKEN]
+    os.environ[ENV_STORE] = args.store  # what a worker's own checks read (store.reachable after an error)
     nodes = [int(k) for k in args.nodes.split(",")]
     agents: Dict[int, NodeAgent] = {}
     sims: Dict[int, SimAgent] = {}

@@ -314,7 +314,12 @@ class LocalHub:
             if not expected <= b.members:
                 return
             n, b.pending = len(b.pending), set()
-        self._adds.submit(self._settle, key, n)
+        if self._stop.is_set():  # closed: the machine is leaving
+            return
+        try:
+            self._adds.submit(self._settle, key, n)
+        except RuntimeError:  # shut down meanwhile
+            return
 
     def _store(self):
         st = getattr(self._local, "store", None)
@@ -337,8 +342,11 @@ class LocalHub:
             if ch.add(keys.arrive(g, st), n) != world:
                 with self._lock:
                     start, b.waiting = not b.waiting and b.raw is None, True
-                if start:
-                    self._waits.submit(self._wait, key)
+                if start and not self._stop.is_set():
+                    try:
+                        self._waits.submit(self._wait, key)
+                    except RuntimeError:  # shut down meanwhile
+                        pass
                 return
             # the job's last arrival: what Vote's last arriver decides (a prepared drain switches)
             if mode == "switch":

@@ -192,7 +192,11 @@ class Heartbeat(_StoreThread):
         self.local = local
         """The line to the machine's agent (:class:`pitstop.runtime.local.LocalLink`): beats go
         there, and the agent tells a silent rank to the controller."""
-        self._looked = time.monotonic()  # the first look comes LOCAL_LOOK_S in: the key watch covers the start
+        # the first look comes within LOCAL_LOOK_S, at a random point: ranks that started together
+        # would otherwise look together, thousands of them in the same millisecond, every 30 s
+        import random
+
+        self._looked = time.monotonic() - random.uniform(0, self.LOCAL_LOOK_S)
         self._look_thread: Optional[threading.Thread] = None
 
     def _run(self) -> None:
