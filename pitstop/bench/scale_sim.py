@@ -195,6 +195,7 @@ class SimRank:
         if self.killed.is_set():
             return
         self.killed.set()
+        self.ended.set()  # wakes a rank waiting for its generation's end: it finds the mark
         for t in (self.hb, self.watch):
             if t is not None:
                 t.stop()
@@ -304,8 +305,8 @@ class SimRank:
                 continue
             # discarded: the controller announces what replaces the failed role (the watch wakes us)
             deadline = time.monotonic() + cfg.collective_timeout_s * 2
-            while not self.ended.wait(0.05):
-                self._check()
+            while not self.ended.wait(1.0):  # set by the watch (or by a kill): a thousand ranks
+                self._check()                # polling every 50 ms starved the process's agents
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"step {step} of g{self.gen} discarded ({v[:80]}), but no fault announced")
             info = ch.read(keys.fault(self.gen), protocol.FAULT)
