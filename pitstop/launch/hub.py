@@ -39,6 +39,7 @@ from pitstop.launch.remote import Lookout
 from pitstop.protocol import Channel, Refused, Verdict
 from pitstop.runtime import keys
 from pitstop.runtime.local import MAX_LINE, address, auth_key
+from pitstop.runtime.vote import settle_last
 
 log = logging.getLogger(__name__)
 
@@ -333,12 +334,11 @@ class LocalHub:
         it; otherwise the first add of the step starts the one wait for it (:meth:`_wait`)."""
         g, st = key
         try:
-            store, ch = self._store()
+            _, ch = self._store()
             with self._lock:
                 b = self.batches[key]
                 world, mode = b.world, b.mode
-            vk = keys.verdict(g, st)
-            name = ch.private(vk)
+            name = ch.private(keys.verdict(g, st))
             if ch.add(keys.arrive(g, st), n) != world:
                 with self._lock:
                     start, b.waiting = not b.waiting and b.raw is None, True
@@ -348,20 +348,9 @@ class LocalHub:
                     except RuntimeError:  # shut down meanwhile
                         pass
                 return
-            # the job's last arrival: what Vote's last arriver decides (a prepared drain switches)
-            if mode == "switch":
-                want = Verdict.SWITCH
-            elif ch.read(keys.drain_ready(g), protocol.FLAG) is None:
-                want = Verdict.OK
-            else:
-                want = Verdict.SWITCH_NEXT if mode == "ahead" else Verdict.SWITCH
-            sealed = protocol.seal(self.token, name, {"verdict": want})
-            raw = store.compare_set(name, "", sealed)
-            if raw == sealed:  # ours won (a poisoned rank or the controller may have settled first)
-                now = time.time()
-                ch.put(keys.COMMITTED, {"generation": g, "step": st, "time": now}, own=False)
-                if want == Verdict.SWITCH:
-                    ch.put(keys.drain_switch(g), {"step": st, "time": now})
+            # the job's last arrival settles the slot as the last rank would; the verdict that holds
+            # is relayed as the slot's bytes (sealing is deterministic: the same message, the same bytes)
+            raw = protocol.seal(self.token, name, {"verdict": settle_last(ch, g, st, mode)})
         except Exception as exc:  # noqa: BLE001 - the ranks time out and poison the step themselves
             log.warning("the vote of g%d step %d: %s", g, st, str(exc).splitlines()[0][:200] if str(exc) else exc)
             return

@@ -67,19 +67,28 @@ class Vote:
         if poisoned:
             ch.vote(vk, Verdict.poisoned(rank, why or self.why()))
         elif ch.add(keys.arrive(gen, step), 1) == self.world_size:
-            if mode == "switch":
-                want = Verdict.SWITCH
-            elif ch.read(keys.drain_ready(gen), protocol.FLAG) is None:
-                want = Verdict.OK
-            else:
-                want = Verdict.SWITCH_NEXT if mode == "ahead" else Verdict.SWITCH
-            got = ch.vote(vk, want)
-            if got == want:
-                now = time.time()
-                ch.put(keys.COMMITTED, {"generation": gen, "step": step, "time": now}, own=False)
-                if want == Verdict.SWITCH:
-                    ch.put(keys.drain_switch(gen), {"step": step, "time": now})
-            return got  # the slot's value, settled: no need to wait for it or read it again
+            return settle_last(ch, gen, step, mode)  # settled: no need to wait for the slot or read it again
         self.store.wait([ch.private(vk)], timedelta(seconds=self.timeout_s))
         got = ch.settled(vk, present=True)
         return got if got is not None else Verdict.poisoned(None, "the verdict does not verify")
+
+
+def settle_last(ch: protocol.Channel, gen: int, step: int, mode: str) -> str:
+    """The job's last arrival at ``step`` settles its slot: ``ok``, or a switch when a drain is
+    ready (see the module docstring for ``mode``), and publishes the commit; returns the verdict
+    that holds (a poisoned rank or the controller may have settled it first). Called by the last
+    rank (:class:`Vote`) or by the agent that added the last machine's arrivals
+    (:mod:`pitstop.launch.hub`)."""
+    if mode == "switch":
+        want = Verdict.SWITCH
+    elif ch.read(keys.drain_ready(gen), protocol.FLAG) is None:
+        want = Verdict.OK
+    else:
+        want = Verdict.SWITCH_NEXT if mode == "ahead" else Verdict.SWITCH
+    got = ch.vote(keys.verdict(gen, step), want)
+    if got == want:
+        now = time.time()
+        ch.put(keys.COMMITTED, {"generation": gen, "step": step, "time": now}, own=False)
+        if want == Verdict.SWITCH:
+            ch.put(keys.drain_switch(gen), {"step": step, "time": now})
+    return got
