@@ -204,7 +204,7 @@ class Controller:
                                         self._node_lost, confirm_s=self.confirm_s(), probe_s=self.probe_s(),
                                         link_host=self.host, on_refused=self._refused)
                            if spec.agents_apart else Agent(self.run_dir))
-        self.poison_seen: Optional[tuple] = None      # (generation, step) of the last poisoned verdict seen
+        self.poison_seen: Optional[tuple] = None      # kept in the saved state for older controllers' state
         self.members: Dict[int, Member] = {}          # by slot
         self.roster: Optional[Roster] = None
         self.role_slots: Dict[int, int] = {}          # role -> slot
@@ -298,19 +298,6 @@ class Controller:
                           after_reported_failure=self.agent.suspecting(), cause=self.agent.nodes[node].cause,
                           roles=sorted(r for r, s in self.role_slots.items() if self.members[s].node == node))
 
-    def _watch_poison(self) -> None:
-        """A stayer poisoned the step after the last commit (a peer's connection broke): a
-        failure is reported, so a silent machine is confirmed lost sooner (:meth:`RemoteAgents.suspect`)."""
-        if self.committed is None or self.roster is None:
-            return
-        at = (self.roster.generation, self.committed[1] + 1)
-        if at == self.poison_seen:
-            return
-        got = self.ch.settled(keys.verdict(*at))
-        if Verdict.is_poisoned(got):
-            self.poison_seen = at
-            self.agent.suspect()
-
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
         # with etcd the head's agent is the supervisor's (it outlives this process)
@@ -398,7 +385,7 @@ class Controller:
     #: How often the controller's own messages are checked for junk written over them.
     REASSERT_S = 0.25
     #: How long an admitted process's verdict is kept against junk: it reads it within a store
-    #: round trip (it polls for it), and one that misses it says hello again every second. Kept
+    #: round trip (it waits on it), and one that misses it says hello again every second. Kept
     #: for good, every process's verdict cost two store operations at every reassertion.
     VERDICT_OWNED_S = 10.0
 

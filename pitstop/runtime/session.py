@@ -401,7 +401,8 @@ class Session:
             if self.fence.poisoned and not self._poison_told:
                 # a failure in this step: the vote in the air is not in yet if the lost rank never
                 # voted, so say so now (a settled vote is not changed), and the controller suspects
-                # a silent machine at once (_watch_poison) instead of after the heartbeat timeout
+                # a silent machine at once (its agent's "poison" line, pitstop.launch.hub) instead of
+                # after the heartbeat timeout
                 self._poison_told = True
                 self.vote.tell_poisoned(self.gen, pipe.flight.step, self.rank)
             self.fence.armed = True  # a wait on a broken ring gives up once the fault is announced
