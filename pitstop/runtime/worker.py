@@ -164,7 +164,11 @@ class _StoreThread:
 class Heartbeat(_StoreThread):
     """A daemon thread that bumps this process's heartbeat counter and runs watchers.
 
-    It has its own store connection (a store client is not shared across threads).
+    It has its own store connection, except with a line to the machine's agent and a
+    ``TCPStore``: it then beats on the line and its rare look shares the process's connection
+    (a ``TCPStore`` client runs one operation at a time under its own lock, so sharing is safe;
+    the look runs on a thread of its own so that a long wait of another thread never delays a
+    beat).
     A process stopped with SIGSTOP stops beating, which is how a hang is seen.
 
     If the store itself goes away (the controller died), the process stops: a standby at
