@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -255,9 +256,15 @@ def reference_pp3(tmp_path_factory):
 
 def test_warmed_general_standbys_take_first_middle_and_last_stage_roles(reference_pp3, tmp_path):
     """Three standbys each replay a record of the first, middle and last stage; one of them is
-    killed during its warmup (the pool is refilled). Then a first-stage rank dies in the optimizer
-    step, the middle-stage recorder in the parameter all-gather and a last-stage rank in the backward
-    pass: warmed standbys take all three roles and the run stays bitwise identical."""
+    killed while it waits for the records (the pool is refilled, and the job holds until the new
+    one is warm too). Then a first-stage rank dies in the optimizer step, the middle-stage recorder
+    in the parameter all-gather and a last-stage rank in the backward pass: warmed standbys take
+    all three roles and the run stays bitwise identical.
+
+    The victim is killed as soon as the roster lists it, before step 1 can have written a record:
+    killed after its own replay (which takes well under a second once the records exist), it may
+    have reported warm first, the hold ends, and the steps 3, 5 and 7 come before its refill can
+    warm (CI saw exactly that: the third replacement was cold)."""
     import json
     import signal
 
@@ -267,10 +274,12 @@ def test_warmed_general_standbys_take_first_middle_and_last_stage_roles(referenc
     victim = {}
 
     def during(run_dir):
-        wait_for_event(run_dir, "recorded", n=3)
-        roster = json.loads((run_dir / "roster.json").read_text())
-        victim["pid"] = roster["standbys"][0]["pid"]
-        os.kill(victim["pid"], signal.SIGKILL)  # mid-warmup
+        path, deadline = run_dir / "roster.json", time.monotonic() + 300
+        while not (path.exists() and json.loads(path.read_text() or "{}").get("standbys")):
+            assert time.monotonic() < deadline, "no standby was listed in 300 s"
+            time.sleep(0.05)
+        victim["pid"] = json.loads(path.read_text())["standbys"][0]["pid"]
+        os.kill(victim["pid"], signal.SIGKILL)  # before the records exist: it cannot have warmed
 
     res = run_job(tmp_path / "run", PP3_STEPS, standby=3, faults=faults.spec(), nproc=6, gpt=PP3,
                   launch_args=["--hold-for-warm", "600"], during=during, timeout=900)
@@ -279,6 +288,7 @@ def test_warmed_general_standbys_take_first_middle_and_last_stage_roles(referenc
     assert [e["role"] for e in replaced] == [1, 2, 5], res.tails()
     assert all(e["warm"] for e in replaced), [(e["role"], e["warm"]) for e in replaced]
     assert [e["pid"] for e in res.of("standby-lost")] == [victim["pid"]], res.tails()
+    assert victim["pid"] not in [e["pid"] for e in res.of("warmed")], "the victim warmed before it was killed"
     assert {e["cls"] for e in res.of("recorded")} == {"first", "middle", "last"}
 
     # the sandbox computed the real step itself: every operation's own inputs (before the
