@@ -234,3 +234,57 @@ def test_a_relayed_verdict_is_believed_only_when_its_seal_opens(server):
     t.join()
     link.close()
     srv.close()
+
+
+def test_the_end_of_a_generation_reaches_each_role_through_one_wait_per_machine(server):
+    """The controller writes ended(g): each machine's agent waits on it once and tells its ranks
+    that play a role in g (not a standby), whatever their number; junk under the key is refused
+    and tells nobody; a rank that hears nothing else holds no store wait of its own."""
+    counts: dict = {}
+    hubs = _hubs(server, 2, counts)
+    got: dict = {}
+    lock = threading.Lock()
+
+    def heard(rank):
+        def f(g):
+            with lock:
+                got.setdefault(rank, []).append(g)
+        return f
+
+    links = []
+    for k, hub in enumerate(hubs):
+        for i in range(3):
+            rank = k * 3 + i
+            link = LocalLink(hub.name, 100 + rank, rank, 0, TOKEN)
+            link.on_ended(heard(rank))
+            links.append(link)
+    standby = LocalLink(hubs[1].name, 200, None, 0, TOKEN)
+    standby.on_ended(heard("standby"))
+    ctl = Channel(_client(server), TOKEN)
+    time.sleep(0.5)
+    assert got == {}
+    waits_before = counts.get("wait", 0)
+    assert waits_before <= len(hubs), counts  # one wait per machine, none per rank
+
+    ctl.put(keys.ended(0), {"time": time.time()})
+
+    def told(want):
+        deadline = time.monotonic() + 10
+        while got != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert got == want, got
+
+    told({r: [0] for r in range(6)})
+    # each machine waited on ended(0) and now waits on ended(1): two waits and one read each
+    assert counts.get("wait", 0) <= 2 * len(hubs) and counts.get("get", 0) <= len(hubs), counts
+
+    ctl.store.set(keys.ended(1), b"junk")  # not sealed: refused by name, nobody is told
+    time.sleep(0.5)
+    assert got == {r: [0] for r in range(6)}, got
+    ctl.put(keys.ended(1), {"time": time.time()})
+    told({r: [0, 1] for r in range(6)})
+    for link in links + [standby]:
+        link.close()
+    for hub in hubs:
+        hub.close()

@@ -14,8 +14,8 @@
 A simulated rank has no model and no torch collective. It speaks the worker's protocol
 through the worker's own code: ``worker._authenticate`` (the sealed hello), the real
 ``Heartbeat`` thread with the session's per-beat look (the fault and drain keys of its
-generation), the real ``Vote`` at every step boundary, the real ``KeyWatch`` on the
-end-of-generation key, a standby's ``worker._wait_assignment``; with a sleep where a
+generation), the real ``Vote`` at every step boundary, the end-of-generation watch (the
+real ``KeyWatch`` on the key, or with a machine's agent its ``ended`` line), a standby's ``worker._wait_assignment``; with a sleep where a
 step's compute would be. It opens as many control-store connections as a worker does.
 
 Every store client of the simulated processes, their agents and the controller is wrapped in
@@ -287,8 +287,12 @@ class SimRank:
                 ch.put(keys.LAYOUT, {"world_size": world, "tp": int(env.get("LOCAL_WORLD_SIZE", 1)), "pp": 1, "cp": 1, "ep": 1, "etp": None,
                                      "order": "tp-cp-ep-dp-pp", "shard_kind": "dp"})
         self.hb.watchers.append(self._look)  # a session's watchers: a standby has none until it has a role
-        self.watch = worker.KeyWatch(f"ended-{self.name}", lambda: keys.ended(self.gen), self._look, ch,
-                                     protocol.STAMP, pool.take()).start()
+        if self.local is not None:  # as watch.Watcher: the machine's agent waits on ended(g) and tells us
+            hb = self.hb
+            self.local.on_ended(lambda _g: self._look(hb.channel))
+        else:
+            self.watch = worker.KeyWatch(f"ended-{self.name}", lambda: keys.ended(self.gen), self._look, ch,
+                                         protocol.STAMP, pool.take()).start()
         store.purpose = "step"  # joined: from here on the main connection serves the step boundary
         vote = (LocalVote(ch, store, world, Fence(), cfg.collective_timeout_s * 2, self.local) if self.local is not None
                 else Vote(ch, store, world, Fence(), cfg.collective_timeout_s * 2))
@@ -512,7 +516,8 @@ def host_main(args) -> int:
         addr = args.addr or f"127.0.{(k + 2) // 250}.{(k + 2) % 250 + 1}"
         na = NodeAgent(k, addr, args.nproc, [], Path(args.run_dir), args.store, token,
                        args.heartbeat_interval, agent=sims[k], heartbeat_timeout_s=args.heartbeat_timeout,
-                       open_store=lambda: open_store(args.store, counts, "step"))
+                       open_store=lambda: open_store(args.store, counts, "step"),
+                       open_watch_store=lambda: open_store(args.store, counts, "watch"))
         na.store = CountingStore(na.store, counts, "agent")
         na.ch.store = na.store
         agents[k] = na

@@ -13,6 +13,15 @@ The rank's side and the wire are in :mod:`pitstop.runtime.local`. Here::
                                                     any other waits for it;
                                                     then "verdict g s <sealed>" to each of them
                                           a poisoned arrival -> on_poison(g, s)
+                                          one wait per machine on ended(g) (the controller
+                                          wrote generation g's fault or drain)
+                                                 -> "ended g" to each rank that plays a
+                                                    role in g (it then looks at the store)
+
+The end of a generation reaches a machine through one store wait, not one per rank: at 8,192
+ranks the store's server held 8,192 waits on the same key and one connection each for them,
+and woke 8,192 threads at once when a fault was written. The line carries no trust: a rank
+only reads the sealed fault and drain keys when it hears it, so a false one costs a look.
 
 A rank that arrives after its machine's batch went (a joiner still rebuilding, a stayer
 still in the last generation) is added on its own: the job's count is right either way, the
@@ -60,6 +69,8 @@ class _Conn:
     beating: bool = False
     """It has beaten once (admitted by the controller)."""
     hung: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Lines to the rank go from several threads (the vote's workers, the end-of-generation watch)."""
 
 
 @dataclass
@@ -86,7 +97,8 @@ class LocalHub:
     def __init__(self, name: str, token, open_store: Callable[[], Any], heartbeat_timeout_s: float,
                  on_hung: Callable[[int, float], None], on_poison: Callable[[int, int], None] = lambda g, s: None,
                  blocking_get: bool = False, vote_timeout_s: float = 600.0,
-                 on_said: Callable[[int], None] = lambda slot: None) -> None:
+                 on_said: Callable[[int], None] = lambda slot: None, watch_ended: bool = True,
+                 open_watch_store: Optional[Callable[[], Any]] = None) -> None:
         self.name = name
         self.token = token.encode() if isinstance(token, str) else bytes(token)
         self.open_store = open_store
@@ -112,6 +124,12 @@ class LocalHub:
         self.refused = 0
         self._lookout = Lookout(0.5)
         self._thread = threading.Thread(target=self._run, name="pitstop-hub", daemon=True)
+        self.watch_ended = watch_ended
+        self.open_watch_store = open_watch_store or open_store
+        self._ended_watch: Any = None
+        self.fired = -1
+        """The last generation whose end this machine's ranks were told of."""
+        self._watching = 0
 
     @staticmethod
     def new_name(node: int) -> str:
@@ -119,10 +137,19 @@ class LocalHub:
 
     def start(self) -> "LocalHub":
         self._thread.start()
+        if self.watch_ended:
+            from pitstop.runtime.worker import KeyWatch
+
+            conn = self.open_watch_store()
+            ch = Channel(conn, self.token, lambda k, r: log.warning("refused %s: %s", k, r))
+            self._ended_watch = KeyWatch(f"ended-{self.name}", self._ended_key, self._on_ended, ch,
+                                         protocol.STAMP, conn).start()
         return self
 
     def close(self) -> None:
         self._stop.set()
+        if self._ended_watch is not None:
+            self._ended_watch.stop()
         self._adds.shutdown(wait=False, cancel_futures=True)
         self._waits.shutdown(wait=False, cancel_futures=True)
         for s in list(self.conns):
@@ -278,6 +305,24 @@ class LocalHub:
             for k in [k for k, b in self.batches.items() if b.raw is not None and now - b.created > 60]:
                 del self.batches[k]
 
+    # ------------------------------------------------------------------ the end of a generation
+    def _ended_key(self) -> str:
+        """The end this machine waits for: that of the oldest generation one of its ranks plays a
+        role in, and never one it has told of already (a joiner machine starts past 0; the walk
+        over older ends, if any, is one store round trip each)."""
+        gens = [c.gen for c in list(self.conns.values()) if c.slot is not None and c.role is not None]
+        self._watching = max(self.fired + 1, min(gens) if gens else 0)
+        return keys.ended(self._watching)
+
+    def _on_ended(self, _ch: Channel) -> None:
+        """``ended(g)`` was written and verified: tell each rank that plays a role in ``g``."""
+        g = self._watching
+        self.fired = max(self.fired, g)
+        line = b"ended %d\n" % g
+        for c in list(self.conns.values()):
+            if c.slot is not None and c.role is not None and c.gen <= g:
+                self._send_to(c, line)
+
     # ------------------------------------------------------------------ the vote
     def _arrive(self, c: _Conn, g: int, st: int, mode: str, world: Optional[int]) -> None:
         c.gen = g
@@ -389,7 +434,12 @@ class LocalHub:
         line = b"verdict %d %d " % (g, st) + base64.b64encode(raw) + b"\n"
         for c in list(self.conns.values()):
             if c.slot == slot:
-                _send(c.sock, line)
+                self._send_to(c, line)
+
+    @staticmethod
+    def _send_to(c: _Conn, line: bytes) -> bool:
+        with c.lock:  # whole lines: two threads' sends never interleave on one socket
+            return _send(c.sock, line)
 
 
 def _send(s: socket.socket, data: bytes, timeout_s: float = 5.0) -> bool:

@@ -82,7 +82,8 @@ class NodeAgent:
 
     def __init__(self, node: int, addr: str, nproc: int, argv: Sequence[str], run_dir: Path, store_spec: str,
                  token: str, heartbeat_interval_s: float = 0.5, agent: Optional[Agent] = None,
-                 heartbeat_timeout_s: float = 5.0, open_store: Optional[Callable[[], object]] = None) -> None:
+                 heartbeat_timeout_s: float = 5.0, open_store: Optional[Callable[[], object]] = None,
+                 open_watch_store: Optional[Callable[[], object]] = None) -> None:
         if not token:
             raise PitstopError("a machine's agent needs the job token: set PITSTOP_JOB_TOKEN to the same secret "
                                "on every machine (for example exported before srun)")
@@ -103,6 +104,8 @@ class NodeAgent:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.open_store = open_store or (lambda: connect(store_spec))
         """A store connection for each of the hub's vote workers."""
+        self.open_watch_store = open_watch_store
+        """The connection of the hub's wait on the end of a generation (the vote's by default)."""
         self.hub: Optional[LocalHub] = None
         """Its ranks' line (:mod:`pitstop.launch.hub`): their beats, hangs and the step's vote."""
         self.slot_names: Dict[int, str] = {}
@@ -237,7 +240,8 @@ class NodeAgent:
                             on_hung=lambda slot, silent: self._from_hub("hung", slot, silent),
                             on_poison=lambda g, st: self._from_hub("poison", g, st),
                             on_said=lambda slot: self._from_hub("said", slot, None),
-                            blocking_get=not is_etcd(self.store_spec)).start()
+                            blocking_get=not is_etcd(self.store_spec),
+                            open_watch_store=self.open_watch_store).start()
 
     #: While linked, how often the agent checks its own sealed messages for junk written over them.
     REASSERT_S = 5.0

@@ -12,6 +12,10 @@
       "arrive <g> <s> <mode> <world>" --->  when every role of this machine arrived: one add
       "poisoned <g> <s>"             ---->    to the job's counter for all of them, then one
                                      <----  "verdict <g> <s> <b64 sealed slot>"  (a wait for the slot)
+                                     <----  "ended <g>": generation g ended (one store wait per
+                                            machine); the rank looks at the sealed fault and
+                                            drain keys (its session's look), as a wait of its
+                                            own on ended(g) did
 
 The store then sees the vote once per machine, not once per rank, and no heartbeat at all:
 a job of 1,024 machines of 8 ranks costs it 1,024 adds and 1,024 waits a step, not 8,192 of
@@ -29,7 +33,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from pitstop import protocol
 from pitstop.errors import PitstopError
@@ -67,6 +71,11 @@ class LocalLink:
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._verdicts: Dict[Tuple[int, int], bytes] = {}
+        self.ended = -1
+        """The newest generation whose end the agent told of."""
+        self._on_ended: List[Callable[[int], None]] = []
+        self._ended_wake = threading.Event()
+        self._looker: Optional[threading.Thread] = None
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(timeout_s)
         try:
@@ -131,10 +140,40 @@ class LocalLink:
                             for k in sorted(self._verdicts)[:128]:
                                 del self._verdicts[k]
                         self._cond.notify_all()
+                elif len(words) == 2 and words[0] == b"ended" and words[1].isdigit():
+                    self.ended = max(self.ended, int(words[1]))
+                    self._ended_wake.set()
                 else:
                     log.warning("[slot %d] refused a line from the agent: %r", self.slot, line[:60])
         except (OSError, PitstopError):
             self._close()
+
+    def on_ended(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(g)`` on a thread of its own each time the agent says a generation
+        ended (several lines while it runs: one more call). Registered after such a line came,
+        it is called once at once: what it looks at decides whether anything ended for it."""
+        with self._cond:
+            self._on_ended.append(callback)
+            if self._looker is None:
+                self._looker = threading.Thread(target=self._look_loop, name=f"pitstop-ended-{self.slot}", daemon=True)
+                self._looker.start()
+            if self.ended >= 0:
+                self._ended_wake.set()
+
+    def _look_loop(self) -> None:
+        while not self.closed:
+            self._ended_wake.wait(1.0)
+            if not self._ended_wake.is_set():
+                continue
+            self._ended_wake.clear()
+            with self._cond:
+                callbacks = list(self._on_ended)
+            for cb in callbacks:
+                try:
+                    cb(self.ended)
+                except Exception as exc:  # noqa: BLE001 - the heartbeat's look covers the same ground
+                    log.warning("[slot %d] the look after generation %d ended: %s", self.slot, self.ended,
+                                str(exc).splitlines()[0][:200] if str(exc) else exc)
 
     def verdict(self, gen: int, step: int, timeout_s: float) -> Optional[bytes]:
         """The sealed slot of ``(gen, step)`` as the agent relayed it; None at the timeout or once

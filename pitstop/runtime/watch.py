@@ -3,7 +3,8 @@
 ::
 
     heartbeat thread (every heartbeat_interval_s) ─┐
-    end-of-generation watch (blocks on ended(g)) ──┴─> Watcher.look(ch)
+    end-of-generation watch (blocks on ended(g), ──┴─> Watcher.look(ch)
+      or, with a machine's agent, its "ended g" line)
                                                           ├─ Recovery.look: a fault? wake the waiter,
                                                           │                 mark the delta's groups broken
                                                           └─ Drain.look:    a drain? start phase 1
@@ -39,6 +40,10 @@ class Watcher:
         if s.m.heartbeat is None:
             return self
         s.m.heartbeat.watchers.append(self.look)
+        if s.m.local is not None:  # the machine's agent waits on ended(g) for its ranks and tells them
+            hb = s.m.heartbeat
+            s.m.local.on_ended(lambda _g: self.look(hb.channel))
+            return self
         self.end_watch = worker.KeyWatch(f"ended-r{s.rank}", lambda: keys.ended(s.gen), self.look,
                                          s.ch, protocol.STAMP, s.m.take_connection()).start()
         return self
