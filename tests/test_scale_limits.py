@@ -314,3 +314,19 @@ def test_through_a_real_etcd_every_request_stays_under_its_limit(etcd_endpoint):
     rch, refused = _reader(st.clone())
     assert rch.read_big(KEY) == bodies[KEY] and Roster.from_json(json.dumps(rch.read_big(KEY))) == roster
     assert rch.read_big("ctl/state") == bodies["ctl/state"] and refused == []
+
+
+@pytest.mark.parametrize("lost", [1, 8, 64, 65, 512, 8192])
+def test_a_fault_verdict_for_any_number_of_lost_roles_fits_a_vote_slot(lost):
+    """The controller's verdict for a discarded step names the lost roles: 62 machines lost at
+    4,096 simulated ranks made one of 2,914 characters, past the slot's 2,048, and every reader
+    refused it. It names at most FAULT_ROLES_MAX roles and counts the rest."""
+    from pitstop.protocol import VOTE, Verdict, open_, seal
+
+    roles = list(range(8192 - lost, 8192))
+    v = Verdict.fault({"roles": roles, "generation": 12345})
+    got = open_(TOKEN, "k", seal(TOKEN, "k", {"verdict": v}), VOTE)["verdict"]  # raises if refused
+    assert got == v and not Verdict.commits(got) and not Verdict.is_poisoned(got)
+    body = json.loads(got)["fault"]
+    assert body["roles"] == roles[:Verdict.FAULT_ROLES_MAX]
+    assert body.get("roles_not_named", 0) == max(0, lost - Verdict.FAULT_ROLES_MAX)

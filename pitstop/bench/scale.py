@@ -23,7 +23,11 @@ Figures (all processes together; ``per_machine`` divides by the training machine
   per-beat look read the fault): plan, announcement, roster, wake-up;
 - ``controller_loop_ms`` (one loop's work, p50/p99), ``controller_cpu_s_per_s``;
 - ``rss_bytes`` / ``fds``: the controller's, and per simulated rank (its host processes' over
-  the ranks they hold).
+  the ranks they hold);
+- ``harness_cpu_s_per_s``: the CPU of the processes that hold the simulated machines, beside
+  ``cores``: every simulated rank's Python runs on this host, where a real job spreads it over
+  its machines, so a row near the cores measures the harness as much as the control plane
+  (``vote_p99_ms`` most of all: the last verdict waits for every rank's share of the CPU).
 
 A row that cannot finish (a limit reached, a phase that does not complete in its time) is
 reported with ``"error"`` naming the phase and what was seen, never dropped.
@@ -52,12 +56,17 @@ class RowFailed(Exception):
     pass
 
 
-def _wait(what: str, cond, timeout_s: float, poll_s: float = 0.1):
+def _wait(what: str, cond, timeout_s: float, poll_s: float = 0.1, gone=lambda: None):
+    """``cond()`` once it is true; RowFailed at the timeout, or at once when ``gone()`` names why
+    it never will be (the controller exited)."""
     deadline = time.monotonic() + timeout_s
     while True:
         got = cond()
         if got:
             return got
+        why = gone()
+        if why:
+            raise RowFailed(f"{what}: {why}")
         if time.monotonic() > deadline:
             raise RowFailed(f"{what}: not within {timeout_s:.0f}s")
         time.sleep(poll_s)
@@ -80,7 +89,8 @@ def _pct(xs: List[float], q: float) -> Optional[float]:
 class Row:
     """One job of the bench (see the module docstring)."""
 
-    def __init__(self, backend: str, ranks: int, work: Path, nproc: int = 8, hosts: int = 4, step_s: Optional[float] = None,
+    def __init__(self, backend: str, ranks: int, work: Path, nproc: int = 8, hosts: Optional[int] = None,
+                 step_s: Optional[float] = None,
                  heartbeat_interval: float = 0.5, heartbeat_timeout: float = 5.0, window_s: float = 10.0,
                  etcd_endpoint: Optional[str] = None) -> None:
         if ranks % nproc or ranks // nproc < 3:
@@ -88,13 +98,22 @@ class Row:
         self.backend, self.ranks, self.nproc = backend, ranks, nproc
         self.machines = ranks // nproc
         self.spares = 2
-        self.hosts = hosts
+        # a process holds at most 64 simulated ranks up to 32 processes: 256 ranks' threads in one
+        # interpreter wait on each other's GIL (at 1,024 ranks on 4 processes the last stayer heard
+        # of a fault 4.4 s after its detection; on 16, 0.25 s), and each process costs ~250 MB
+        self.hosts = hosts if hosts is not None else max(4, min(32, ranks // 64))
         # the sleep for a step's compute: 0.25 s to 256 ranks, then as many seconds per 1,024
         # ranks: every simulated rank costs Python time at each boundary, and all of them share
         # 2 cores (a harness saturated by its own ranks measures itself, not the control plane)
         self.step_s = step_s if step_s is not None else max(0.25, ranks / 1024)
         self.window_s = max(window_s, 8 * self.step_s)
         self.hb_interval, self.hb_timeout = heartbeat_interval, heartbeat_timeout
+        # a rank's beat goes to its own machine's agent (never to the store or the controller):
+        # past 2,048 ranks the harness sends it less often, as every simulated rank's beat costs
+        # this host's 2 cores what a real job spreads over its machines; the machines' beats to
+        # the controller (what a lost or frozen machine is detected by) keep the interval above
+        self.rank_hb_interval = max(heartbeat_interval, ranks / 4096)
+        self.rank_hb_timeout = max(heartbeat_timeout, 10 * self.rank_hb_interval)
         self.run_dir = work / f"{backend}-{ranks}"
         self.etcd_endpoint = etcd_endpoint
         self.token = secrets.token_hex(32)
@@ -102,7 +121,9 @@ class Row:
         self.real = [self.machines - 1, self.machines - 2]  # real machine processes: killed, frozen
         self.out: Dict[str, Any] = {"backend": backend, "ranks": ranks, "machines": self.machines,
                                     "spare_machines": self.spares, "step_s": self.step_s,
-                                    "heartbeat_interval_s": heartbeat_interval, "heartbeat_timeout_s": heartbeat_timeout}
+                                    "heartbeat_interval_s": heartbeat_interval, "heartbeat_timeout_s": heartbeat_timeout,
+                                    "rank_heartbeat_interval_s": self.rank_hb_interval,
+                                    "rank_heartbeat_timeout_s": self.rank_hb_timeout}
 
     # ------------------------------------------------------------------ processes
     def _env(self) -> Dict[str, str]:
@@ -124,7 +145,36 @@ class Row:
     def _common(self) -> List[str]:
         return ["--heartbeat-interval", str(self.hb_interval), "--heartbeat-timeout", str(self.hb_timeout)]
 
+    #: Threads per simulated rank (its training thread, heartbeat and the reader of its agent's
+    #: line) and per machine (the agent's loop, its hub's loop and end-of-generation wait, the
+    #: vote's add and waits), as counted in a host process.
+    THREADS_PER_RANK, THREADS_PER_MACHINE = 3, 8
+
+    def threads_needed(self) -> int:
+        return self.ranks * self.THREADS_PER_RANK + (self.machines + self.spares) * self.THREADS_PER_MACHINE
+
+    #: The store server's connections per rank (its own and the spare a drain's threads take)
+    #: and per machine (its agent's, the vote's add and wait, the end-of-generation wait, the
+    #: link), as measured: 5,433 descriptors at 2,048 ranks on 258 machines.
+    FDS_PER_RANK, FDS_PER_MACHINE = 2, 5
+
+    def fds_needed(self) -> int:
+        return self.ranks * self.FDS_PER_RANK + (self.machines + self.spares) * self.FDS_PER_MACHINE + 200
+
     def start(self) -> None:
+        try:  # every thread takes a pid: past kernel.pid_max, thread creation fails half-way
+            pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        except (OSError, ValueError):
+            pid_max = None
+        if pid_max is not None and self.threads_needed() > 0.9 * pid_max:
+            raise RowFailed(f"ranks({self.ranks}) need about {self.threads_needed()} threads on this host, over 90% of "
+                            f"kernel.pid_max({pid_max}) (every thread takes a pid): not started")
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if hard != resource.RLIM_INFINITY and self.fds_needed() > hard:
+            raise RowFailed(f"ranks({self.ranks}) need about {self.fds_needed()} descriptors in the controller's "
+                            f"process (the store's server), over its hard RLIMIT_NOFILE({hard}): not started")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         argv = ["controller", "--run-dir", str(self.run_dir), "--nnodes", f"{self.machines}:{self.machines + self.spares}",
                 "--nproc", str(self.nproc), "--standby", "1", *self._common()]
@@ -132,12 +182,13 @@ class Row:
             argv += ["--backend", "etcd", "--endpoint", self.etcd_endpoint]
         self.t_launch = time.time()
         self._spawn("controller", argv)
-        info = _wait("the controller's store", lambda: _read_json(self.run_dir / "controller.json"), 60)
+        info = self._wait("the controller's store", lambda: _read_json(self.run_dir / "controller.json"), 60)
         self.store = info["store"]
         nodes = [k for k in range(self.machines + self.spares) if k not in self.real]
         per = math.ceil(len(nodes) / self.hosts)
         host = ["host", "--run-dir", str(self.run_dir), "--store", self.store, "--nproc", str(self.nproc),
-                "--step-s", str(self.step_s), *self._common()]
+                "--step-s", str(self.step_s), *self._common(), "--rank-heartbeat-interval", str(self.rank_hb_interval),
+                "--rank-heartbeat-timeout", str(self.rank_hb_timeout)]
         for i in range(0, len(nodes), per):
             part = nodes[i:i + per]
             self._spawn(f"host-{part[0]}", host + ["--nodes", ",".join(map(str, part))], stdin=subprocess.PIPE)
@@ -156,6 +207,19 @@ class Row:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+
+    def _gone(self) -> Optional[str]:
+        p = self.procs.get("controller")
+        if p is None or p.poll() is None:
+            return None
+        try:
+            tail = (self.run_dir / "controller.log").read_text(errors="replace").strip().splitlines()[-2:]
+        except OSError:
+            tail = []
+        return f"the controller exited ({p.returncode}): {' | '.join(t[-300:] for t in tail)}"
+
+    def _wait(self, what: str, cond, timeout_s: float, poll_s: float = 0.1):
+        return _wait(what, cond, timeout_s, poll_s, gone=self._gone)
 
     # ------------------------------------------------------------------ reading back
     def events(self, name: str, **match) -> List[Dict[str, Any]]:
@@ -210,16 +274,19 @@ class Row:
             reps = self.reports()
             self.out["errors_seen"] = self.errors(reps)[:5]
         finally:
+            # machines lost that the bench did not kill or freeze: the harness starved its own agents
+            self.out["machines_lost_unasked"] = len([e for e in self.events("machine-lost")
+                                                     if e.get("node") not in self.real]) if self.run_dir.exists() else 0
             self.stop()
         return self.out
 
     def _phases(self) -> None:
         o = self.out
         scale_t = max(1.0, self.ranks / 256)
-        roster = _wait("roster (every rank admitted)", lambda: self.events("roster"), 120 * scale_t, 0.5)
+        roster = self._wait("roster (every rank admitted)", lambda: self.events("roster"), 120 * scale_t, 0.5)
         o["startup_s"] = round(roster[0]["time"] - self.t_launch, 2)
         # steady: a few steps, then the window
-        _wait("3 steps committed by every rank", lambda: len(self.committed_steps(self.reports())) >= 3,
+        self._wait("3 steps committed by every rank", lambda: len(self.committed_steps(self.reports())) >= 3,
               60 * scale_t, 0.5)
         reps0, t0 = self.reports(), time.time()
         time.sleep(self.window_s)
@@ -230,7 +297,7 @@ class Row:
         host = next(n for n in self.procs if n.startswith("host-") and self._hosts(n, 1))
         self.procs[host].stdin.write(f"kill {victim}\n".encode())
         self.procs[host].stdin.flush()
-        f = _wait("the killed rank's failure", lambda: self.events("failure", role=victim), 60 * scale_t)[0]
+        f = self._wait("the killed rank's failure", lambda: self.events("failure", role=victim), 60 * scale_t)[0]
         o["detect_rank_s"] = f.get("detect_s")
         self._control_path(f, "control_path_s")
         # a real machine killed whole
@@ -239,6 +306,12 @@ class Row:
         self._machine("frozen", self.real[1], signal.SIGSTOP, "detect_frozen_s")
         reps = self.reports()
         o["errors_seen"] = self.errors(reps)[:5]
+        # the whole run's operations (start-up, the three changes), by purpose: what the changes
+        # cost beside the steady window's rates (the end of a generation: one wait per machine)
+        tot = self.ops(reps)
+        o["ops_total_by_purpose"] = {p: sum(v for k, v in tot.items() if k.startswith(p + "."))
+                                     for p in ("step", "join", "heartbeat", "watch", "agent", "controller")}
+        o["watch_waits_total"] = tot.get("watch.wait", 0)
 
     def _hosts(self, name: str, node: int) -> bool:
         rep = _read_json(self.run_dir / "scale" / f"{name}.json")
@@ -248,12 +321,12 @@ class Row:
         p = self.procs[f"host-{node}"]
         t0 = time.time()
         os.killpg(p.pid, sig)
-        lost = _wait(f"machine {node} {what}: machine-lost", lambda: self.events("machine-lost", node=node),
+        lost = self._wait(f"machine {node} {what}: machine-lost", lambda: self.events("machine-lost", node=node),
                      60 * max(1.0, self.ranks / 256))[0]
         self.out[key] = round(lost["time"] - t0, 4)
         self.out["cause_" + key[len("detect_"):-len("_s")]] = lost.get("cause")
         roles = set(lost.get("roles") or [])
-        f = _wait(f"machine {node} {what}: failure", lambda: [e for e in self.events("failure")
+        f = self._wait(f"machine {node} {what}: failure", lambda: [e for e in self.events("failure")
                                                              if roles and set(e.get("roles", [])) == roles],
                   60 * max(1.0, self.ranks / 256))[0]
         self._control_path(f, f"control_path_{what}_s")
@@ -264,7 +337,7 @@ class Row:
     def _control_path(self, f: Dict[str, Any], key: str) -> None:
         gen = f["generation"]
         stayers = self.ranks - len(f.get("roles") or [f.get("role")])
-        t_told, n = _wait(f"every stayer of g{gen} told", lambda: (lambda tn: tn if tn[1] >= stayers else None)(
+        t_told, n = self._wait(f"every stayer of g{gen} told", lambda: (lambda tn: tn if tn[1] >= stayers else None)(
             self.told(self.reports(), gen)), 60 * max(1.0, self.ranks / 256), 0.25)
         # the controller's detection: the failure event's time less its own work since (plan, roster)
         t_detect = f["time"] - (f.get("settled_s") or 0.0)
@@ -272,7 +345,7 @@ class Row:
         self.out[key.replace("_s", "_told")] = n
         # the change is over once the new generation committed a step: only then is the next fault
         # a new failure (one during a change is an overlap, which restarts the job)
-        done = _wait(f"g{gen + 1} replaced (its first step committed)",
+        done = self._wait(f"g{gen + 1} replaced (its first step committed)",
                      lambda: self.events("replaced", generation=gen + 1), 60 * max(1.0, self.ranks / 256), 0.25)[0]
         self.out[key.replace("control_path", "downtime")] = done.get("downtime_s")
 
@@ -306,6 +379,13 @@ class Row:
                                        "loops_per_s": round(sum(x["n"] for x in loops) / (t1 - t0), 1)}
         o["controller_rss_bytes"], o["controller_fds"] = c1.get("rss_bytes"), c1.get("fds")
         hosts = [r for n, r in reps1.items() if n.startswith("host-")]
+        # the simulated machines' own CPU, all on this host: near the cores, the harness measures
+        # itself (a real job spreads this over its machines)
+        busy = [(reps1[n]["cpu_s"] - reps0[n]["cpu_s"]) / (reps1[n]["time"] - reps0[n]["time"])
+                for n in reps1 if n.startswith("host-") and n in reps0 and "cpu_s" in reps1[n] and "cpu_s" in reps0[n]
+                and reps1[n]["time"] > reps0[n]["time"]]
+        o["hosts"], o["cores"] = self.hosts, os.cpu_count()
+        o["harness_cpu_s_per_s"] = round(sum(busy), 3) if busy else None
         ranks = sum(r.get("ranks", 0) for r in hosts) or 1
         o["rss_bytes_per_rank"] = int(sum(r.get("rss_bytes", 0) for r in hosts) / ranks)
         o["fds_per_rank"] = round(sum(r.get("fds", 0) for r in hosts) / ranks, 2)

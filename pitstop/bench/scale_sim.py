@@ -340,8 +340,10 @@ class SimProc:
 class SimAgent:
     """A machine's process starter whose processes are :class:`SimRank` threads."""
 
-    def __init__(self, node: int, counts: OpCounts, timeline: Timeline, step_s: float, steps: int) -> None:
+    def __init__(self, node: int, counts: OpCounts, timeline: Timeline, step_s: float, steps: int,
+                 rank_heartbeat_interval: Optional[float] = None) -> None:
         self.node = node
+        self.rank_heartbeat_interval = rank_heartbeat_interval
         self.counts, self.timeline = counts, timeline
         self.step_s, self.steps = step_s, steps
         self.procs: Dict[str, SimProc] = {}
@@ -353,6 +355,8 @@ class SimAgent:
 
     def start(self, name: str, argv, env: Dict[str, str]) -> SimProc:  # noqa: ARG002 - no program is run
         # a pid of its own (the roster tells processes apart by host and pid): the slot, past any real pid
+        if self.rank_heartbeat_interval is not None:  # its beat to this machine's agent (scale.Row)
+            env = {**env, "PITSTOP_HEARTBEAT_INTERVAL_S": str(self.rank_heartbeat_interval)}
         p = SimProc(name, SIM_PID_BASE + int(env[worker.ENV_SLOT]), env)
         self.procs[name] = p
 
@@ -512,10 +516,11 @@ def host_main(args) -> int:
     agents: Dict[int, NodeAgent] = {}
     sims: Dict[int, SimAgent] = {}
     for k in nodes:
-        sims[k] = SimAgent(k, counts, timeline, args.step_s, args.steps)
+        sims[k] = SimAgent(k, counts, timeline, args.step_s, args.steps, args.rank_heartbeat_interval)
         addr = args.addr or f"127.0.{(k + 2) // 250}.{(k + 2) % 250 + 1}"
         na = NodeAgent(k, addr, args.nproc, [], Path(args.run_dir), args.store, token,
-                       args.heartbeat_interval, agent=sims[k], heartbeat_timeout_s=args.heartbeat_timeout,
+                       args.heartbeat_interval, agent=sims[k],
+                       heartbeat_timeout_s=args.rank_heartbeat_timeout or args.heartbeat_timeout,
                        open_store=lambda: open_store(args.store, counts, "step"),
                        open_watch_store=lambda: open_store(args.store, counts, "watch"))
         na.store = CountingStore(na.store, counts, "agent")
@@ -571,6 +576,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     h.add_argument("--addr", default=None)
     h.add_argument("--step-s", type=float, default=0.2)
     h.add_argument("--steps", type=int, default=10 ** 6)
+    h.add_argument("--rank-heartbeat-interval", type=float, default=None,
+                   help="a simulated rank's beat to its agent (default: --heartbeat-interval)")
+    h.add_argument("--rank-heartbeat-timeout", type=float, default=None,
+                   help="how long an agent lets a rank stay silent (default: --heartbeat-timeout)")
     for q in (c, h):
         q.add_argument("--heartbeat-interval", type=float, default=0.5)
         q.add_argument("--heartbeat-timeout", type=float, default=5.0)
