@@ -24,6 +24,12 @@ Figures (all processes together; ``per_machine`` divides by the training machine
 - ``controller_loop_ms`` (one loop's work, p50/p99), ``controller_cpu_s_per_s``;
 - ``rss_bytes`` / ``fds``: the controller's, and per simulated rank (its host processes' over
   the ranks they hold);
+- ``ops_total_by_purpose`` / ``watch_waits_total``: the whole run's operations, start-up and
+  changes included (the end of a generation: one wait per machine, not per rank);
+- ``machines_lost_unasked``: machines lost that the bench did not kill or freeze (the harness
+  starved its own agents: the row then says more about this host than the control plane);
+- ``rank_heartbeat_interval_s``: a simulated rank's beat to its own agent (the machines' beats
+  to the controller keep ``heartbeat_interval_s``), thinned past 2,048 ranks;
 - ``harness_cpu_s_per_s``: the CPU of the processes that hold the simulated machines, beside
   ``cores``: every simulated rank's Python runs on this host, where a real job spreads it over
   its machines, so a row near the cores measures the harness as much as the control plane
@@ -161,20 +167,29 @@ class Row:
     def fds_needed(self) -> int:
         return self.ranks * self.FDS_PER_RANK + (self.machines + self.spares) * self.FDS_PER_MACHINE + 200
 
-    def start(self) -> None:
-        try:  # every thread takes a pid: past kernel.pid_max, thread creation fails half-way
-            pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-        except (OSError, ValueError):
-            pid_max = None
+    def refusal(self, pid_max: Optional[int], nofile_hard: Optional[int]) -> Optional[str]:
+        """Why this row cannot run on a host with these limits (None: it can): every thread takes
+        a pid, past ``kernel.pid_max`` thread creation fails half-way; the store's server holds a
+        descriptor per connection in the controller's process."""
         if pid_max is not None and self.threads_needed() > 0.9 * pid_max:
-            raise RowFailed(f"ranks({self.ranks}) need about {self.threads_needed()} threads on this host, over 90% of "
-                            f"kernel.pid_max({pid_max}) (every thread takes a pid): not started")
+            return (f"ranks({self.ranks}) need about {self.threads_needed()} threads on this host, over 90% of "
+                    f"kernel.pid_max({pid_max}) (every thread takes a pid): not started")
+        if nofile_hard is not None and self.fds_needed() > nofile_hard:
+            return (f"ranks({self.ranks}) need about {self.fds_needed()} descriptors in the controller's process "
+                    f"(the store's server), over its hard RLIMIT_NOFILE({nofile_hard}): not started")
+        return None
+
+    def start(self) -> None:
         import resource
 
+        try:
+            pid_max: Optional[int] = int(Path("/proc/sys/kernel/pid_max").read_text())
+        except (OSError, ValueError):
+            pid_max = None
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        if hard != resource.RLIM_INFINITY and self.fds_needed() > hard:
-            raise RowFailed(f"ranks({self.ranks}) need about {self.fds_needed()} descriptors in the controller's "
-                            f"process (the store's server), over its hard RLIMIT_NOFILE({hard}): not started")
+        why = self.refusal(pid_max, None if hard == resource.RLIM_INFINITY else hard)
+        if why:
+            raise RowFailed(why)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         argv = ["controller", "--run-dir", str(self.run_dir), "--nnodes", f"{self.machines}:{self.machines + self.spares}",
                 "--nproc", str(self.nproc), "--standby", "1", *self._common()]
