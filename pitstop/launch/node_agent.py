@@ -5,8 +5,8 @@
     controller (head)                    store                         agent of machine k
     put node/k/cmd/n {start w5, env} ->  ctl/node/k/cmd/n  ----------> start it (elastic multiprocessing)
       and "cmd" on the link  ------------------------------------->   (the line wakes it; it reads the key)
-                                         ctl/node/k/started/w5 <------ {pid}   and "ev" on the link
-                                         ctl/node/k/exit/w5    <------ {pid, exit}   and "ev"
+                                         ctl/node/k/started/w5 <------ {pid}   and "ev w5" on the link
+                                         ctl/node/k/exit/w5    <------ {pid, exit}   and "ev w5"
     machine k lost when its link's  <------------------------------   "beat n", every heartbeat interval
     beats stop (or the link closes)
     a failure was reported: "probe n" -----------------------------> "pong n" at once
@@ -98,6 +98,8 @@ class NodeAgent:
         self.names: Dict[str, Proc] = {}
         self.next_cmd = 1
         self.beats = 0
+        self.reported_names: set = set()
+        """The processes whose started, exit or hung report this turn of the loop wrote."""
         self.answered = 0
         """The newest probe answered (an older one, replayed, is not answered again)."""
         self.store_spec = store_spec
@@ -156,6 +158,7 @@ class NodeAgent:
                 self.slot_names[int(env["PITSTOP_SLOT"])] = name
             self.ch.put(keys.node_event(self.node, name, "started"), {"pid": p.pid})
             self.reported = True
+            self.reported_names.add(name)
             log.info("[node %d] started %s (pid %d)", self.node, name, p.pid)
         elif cmd["op"] == "kill":
             p = self.names.get(name)
@@ -230,6 +233,7 @@ class NodeAgent:
                     log.warning("[node %d] %s (slot %d) silent for %.1fs", self.node, name, a, b)
                     self.ch.put(keys.node_event(self.node, name, "hung"), {"pid": p.pid, "silent_s": round(b, 2)})
                     self.reported = True
+                    self.reported_names.add(name)
             elif what == "poison" and self.linked:  # a stayer's step broke: the controller probes at once
                 self.link.send(f"poison {a} {b}".encode())
             elif what == "said" and self.linked:  # a process's hello is written: the controller reads it
@@ -243,6 +247,9 @@ class NodeAgent:
                             blocking_get=not is_etcd(self.store_spec),
                             open_watch_store=self.open_watch_store).start()
 
+    #: The most processes one turn of the loop names in its "ev" lines (more: one bare "ev").
+    EV_NAMES_MAX = 16
+
     #: While linked, how often the agent checks its own sealed messages for junk written over them.
     REASSERT_S = 5.0
 
@@ -253,7 +260,7 @@ class NodeAgent:
             controller --"probe n"--> agent --"pong n"-->       (a failure was reported)
             controller --"done"--> agent: read ctl/done, leave  (sealed: the line only wakes it)
             agent --"beat n"--> controller, every interval       (liveness; the link's silence is a freeze)
-            agent --"ev"--> controller                           (node/k/started|exit/<name> written)
+            agent --"ev <name>"--> controller                    (node/k/started|exit/<name> written)
 
         Unlinked (before the link is up, or once a controller died and until its successor
         publishes a new address), it polls the store every interval: commands, the probe, the
@@ -287,10 +294,19 @@ class NodeAgent:
                 for p in self.agent.poll():
                     self.ch.put(keys.node_event(self.node, p.name, "exit"), {"pid": p.pid, "exit": p.exit})
                     self.reported = True
+                    self.reported_names.add(p.name)
                 self._hub_reports()
                 if self.reported and self.linked:
-                    self.link.send(b"ev")
+                    # "ev <name>": the controller reads that process's reports alone (a bare "ev"
+                    # had it read every process of the machine, three keys each, at every start)
+                    names = sorted(self.reported_names)
+                    if 0 < len(names) <= self.EV_NAMES_MAX:
+                        for name in names:
+                            self.link.send(f"ev {name}".encode())
+                    else:
+                        self.link.send(b"ev")
                 self.reported = False
+                self.reported_names.clear()
                 if look:
                     probe = self.ch.read(keys.node(self.node, "probe"), protocol.HEARTBEAT)
                     if probe is not None:

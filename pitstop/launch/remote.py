@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,9 @@ from pitstop import protocol
 from pitstop.launch.link import LinkServer
 from pitstop.protocol import Channel
 from pitstop.runtime import keys
+
+#: A process name an agent may send in "ev <name>" (as the names it accepts in a command).
+_NAME = re.compile(rb"[A-Za-z0-9_.-]{1,64}")
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,9 @@ class NodeState:
     cause: str = ""
     """Why it was called lost: silence, an unanswered probe, or no hello."""
     looked: float = 0.0
-    """When its store keys (hello, or heartbeat while unlinked) were last read."""
+    """When its hello was last looked for."""
+    reports_looked: float = 0.0
+    """When its processes' reports were last read while it had no link."""
 
 
 class Lookout:
@@ -115,7 +121,8 @@ class Lookout:
 class RemoteAgents:
     """Processes on machines ``0 .. nodes-1``, each run by that machine's agent."""
 
-    #: How often the hello of a machine that has not said one is looked for.
+    #: How often the hello of a machine that has not said one is looked for, and the reports
+    #: of an unlinked machine's processes are read (a linked one says when it wrote one).
     KEY_LOOK_S = 0.25
 
     def __init__(self, ch: Channel, run_dir: Path, nodes: int, heartbeat_timeout_s: float,
@@ -146,6 +153,8 @@ class RemoteAgents:
         self._lookout = Lookout(max(4 * poll_s, min(0.5, self.confirm_s / 3)) or 0.5)
         self._hung: List[tuple] = []
         self._hellos: set = set()
+        self._named: set = set()
+        """(machine, process) whose reports its agent said it wrote ("ev <name>")."""
         self._hung_seen: set = set()
         self.links: Optional[LinkServer] = None
         """Each agent's TCP link (:mod:`pitstop.launch.link`): a machine whose agent dies is lost at once."""
@@ -277,7 +286,10 @@ class RemoteAgents:
             for k in list(self.links.inbox):  # only machines that sent something
                 self._link_lines(k, now, dirty)
         for k, st in self.nodes.items():
-            if not self.linked(k):
+            # an unlinked machine's reports are read every KEY_LOOK_S, not at every 50 ms poll:
+            # three keys per process each time were ~50,000 store checks in a 256-rank start-up
+            if not self.linked(k) and now - st.reports_looked >= self.KEY_LOOK_S:
+                st.reports_looked = now
                 dirty.add(k)
             if st.lost:
                 continue
@@ -323,8 +335,9 @@ class RemoteAgents:
                 else:
                     cause = f"its agent left probe {st.probe_n} unanswered for {now - st.probe_sent:.2f}s"
                 self._lose(k, cause, silent, out)
+        named, self._named = self._named, set()
         for p in self.procs.values():
-            if not p.running or p.node not in dirty:
+            if not p.running or (p.node not in dirty and (p.node, p.name) not in named):
                 continue
             if p.pid is None:
                 st = self.ch.read(keys.node_event(p.node, p.name, "started"), protocol.NODE_STARTED)
@@ -361,8 +374,9 @@ class RemoteAgents:
 
     def _link_lines(self, k: int, now: float, dirty: set) -> None:
         """What machine ``k``'s agent sent on its link: ``beat n`` (liveness, as its store
-        heartbeat), ``pong n`` (the answer to a probe), ``ev`` (it wrote started/exit reports:
-        they are read this poll). Anything else is refused by name."""
+        heartbeat), ``pong n`` (the answer to a probe), ``ev <name>`` (it wrote process
+        ``name``'s started, exit or hung report: read this poll) or a bare ``ev`` (read every
+        process of the machine). Anything else is refused by name."""
         st = self.nodes.get(k)
         for line in self.links.lines(k):
             words = line.split()
@@ -370,6 +384,8 @@ class RemoteAgents:
                 continue
             if words == [b"ev"]:
                 dirty.add(k)
+            elif len(words) == 2 and words[0] == b"ev" and _NAME.fullmatch(words[1]):
+                self._named.add((k, words[1].decode()))
             elif len(words) == 2 and words[0] == b"hello" and words[1].isdigit():
                 self._hellos.add(int(words[1]))
             elif len(words) == 3 and words[0] == b"poison" and words[1].isdigit() and words[2].isdigit():
