@@ -69,9 +69,15 @@ def test_unplanned_kill_is_bitwise_identical_and_a_stray_is_refused(reference, t
     res = run_job(tmp_path / "run", STEPS, standby=1, faults=fault.spec(), during=during)
     assert_same_run(res, reference)
     rep = res.of("replaced")
-    assert len(rep) == 1 and rep[0]["role"] == 5 and rep[0]["generation"] == 1 and rep[0]["step"] == 3, res.tails()
-    # async_commit: the vote on step 3 is read at the boundary after step 4, so both are redone
-    assert rep[0]["steps_redone"] == 2, rep
+    assert len(rep) == 1 and rep[0]["role"] == 5 and rep[0]["generation"] == 1, res.tails()
+    # async_commit: rank 5's vote on step 2 leaves from a background thread while step 3 runs.
+    # Killed in step 3's backward pass, it has usually sent it: step 3 is the first discarded, and
+    # as the vote on step 3 is read at the boundary after step 4, both are redone. On a loaded
+    # machine (a clean clone's CI) it had not yet, and step 2 was discarded too: 2, 3 and 4 are
+    # redone. Both are exact (the run equals the reference either way); what must hold is that
+    # the redone steps run from the first discarded one to step 4, where the fault was seen.
+    assert rep[0]["step"] in (2, 3), rep
+    assert rep[0]["steps_redone"] == 5 - rep[0]["step"], rep
     # only the delta rebuilt: 9 communicators touch role 5's groups; the others kept theirs
     assert rep[0]["rebuilt"] >= 1 and rep[0]["downtime_s"] > 0, rep
     # the stray got no role and the job went on
