@@ -97,7 +97,7 @@ class LocalHub:
     def __init__(self, name: str, token, open_store: Callable[[], Any], heartbeat_timeout_s: float,
                  on_hung: Callable[[int, float], None], on_poison: Callable[[int, int], None] = lambda g, s: None,
                  blocking_get: bool = False, vote_timeout_s: float = 600.0,
-                 on_said: Callable[[int], None] = lambda slot: None, watch_ended: bool = True,
+                 on_said: Callable[[int], None] = lambda slot: None,
                  open_watch_store: Optional[Callable[[], Any]] = None) -> None:
         self.name = name
         self.token = token.encode() if isinstance(token, str) else bytes(token)
@@ -124,7 +124,6 @@ class LocalHub:
         self.refused = 0
         self._lookout = Lookout(0.5)
         self._thread = threading.Thread(target=self._run, name="pitstop-hub", daemon=True)
-        self.watch_ended = watch_ended
         self.open_watch_store = open_watch_store or open_store
         self._ended_watch: Any = None
         self.fired = -1
@@ -137,13 +136,12 @@ class LocalHub:
 
     def start(self) -> "LocalHub":
         self._thread.start()
-        if self.watch_ended:
-            from pitstop.runtime.worker import KeyWatch
+        from pitstop.runtime.worker import KeyWatch
 
-            conn = self.open_watch_store()
-            ch = Channel(conn, self.token, lambda k, r: log.warning("refused %s: %s", k, r))
-            self._ended_watch = KeyWatch(f"ended-{self.name}", self._ended_key, self._on_ended, ch,
-                                         protocol.STAMP, conn).start()
+        conn = self.open_watch_store()
+        ch = Channel(conn, self.token, lambda k, r: log.warning("refused %s: %s", k, r))
+        self._ended_watch = KeyWatch(f"ended-{self.name}", self._ended_key, self._on_ended, ch,
+                                     protocol.STAMP, conn).start()
         return self
 
     def close(self) -> None:
