@@ -75,3 +75,21 @@ def test_a_row_past_this_hosts_limits_is_refused_by_name_before_it_starts(tmp_pa
     assert big.refusal(4194304, 1 << 20) is None
     assert small.refusal(32768, 20000) is None
     assert not (tmp_path / "tcpstore-8192").exists()
+
+
+@pytest.mark.timeout(600)
+def test_a_simulated_world_8_costs_the_store_what_a_real_world_8_job_does(tmp_path):
+    """A real GPT job (tp2 pp2 dp2 on 4 machines, 2 standby machines, 1 standby process), every
+    TCPStore client of every process counted from outside pitstop's code, beside the bench's
+    simulated world 8 of the same shape and step time: per step, the machines' agents (the
+    vote: an add and a wait per machine) and the ranks' own threads send what the real ones do."""
+    got = scale.real_world8(tmp_path, steps=50, window_steps=20)
+    real, sim = got["real"], got["simulated"]
+    assert real["processes_counted"] == {"controller": 1, "agent": 6, "worker": 13}, real
+    assert sim.get("error") is None, sim
+    # the vote is batched per machine on both sides: about one add per machine and step
+    assert 3.5 <= real["ops_by_label_op"]["agent.add"] / real["steps_in_window"] <= 5.0, real
+    ratio = got["sim_over_real_per_step"]
+    assert 0.8 <= ratio["agent"] <= 1.25, got
+    assert 0.5 <= ratio["main"] <= 2.0, got
+    assert real["per_step"]["main"] / 8 <= 0.5, real  # a rank's own store traffic per step stays small

@@ -105,6 +105,9 @@ def add_benchmarks(bsub) -> None:
     sc.add_argument("--window", type=_seconds, default=10.0, metavar="S",
                     help="the steady window in which operations and votes are counted (default 10)")
     sc.add_argument("--run-dir", default="runs/bench-scale")
+    sc.add_argument("--no-real-world8", action="store_true",
+                    help="skip real_world8: a real world-8 GPT job's store operations, counted from outside "
+                         "pitstop's code, beside a simulated world 8 of the same shape (about 2 minutes)")
 
 
 def _ranks(text: str) -> tuple:
@@ -130,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         bad = [b for b in backends if b not in ("tcpstore", "etcd")]
         if bad or not backends:
             raise PitstopError(f"--backends {args.backends!r}: expected a comma-separated subset of tcpstore,etcd")
-        out = bench_scale(ranks=_ranks(args.ranks), backends=backends, work=Path(args.run_dir), window_s=args.window)
+        out = bench_scale(ranks=_ranks(args.ranks), backends=backends, work=Path(args.run_dir), window_s=args.window,
+                          real8=not args.no_real_world8)
         print(json.dumps(out) if args.json else json.dumps(out, indent=2))
         return 0 if all("error" not in r for r in out["rows"]) else 1
     if args.cmd == "bench" and args.bench == "machines":

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from pitstop import protocol
+from pitstop.bench.scale_sim import PURPOSES, STEP_PURPOSES
 from pitstop.launch.events import read_events
 
 DEFAULT_RANKS = (64, 256, 1024, 4096, 8192)
@@ -115,10 +116,11 @@ class Row:
         self.window_s = max(window_s, 8 * self.step_s)
         self.hb_interval, self.hb_timeout = heartbeat_interval, heartbeat_timeout
         # a rank's beat goes to its own machine's agent (never to the store or the controller):
-        # past 2,048 ranks the harness sends it less often, as every simulated rank's beat costs
-        # this host's 2 cores what a real job spreads over its machines; the machines' beats to
+        # past 512 ranks the harness sends it less often, as every simulated rank's beat costs
+        # this host's 2 cores what a real job spreads over its machines (at 4,096 ranks beating
+        # every second: 4,096 lines a second, each waking two threads); the machines' beats to
         # the controller (what a lost or frozen machine is detected by) keep the interval above
-        self.rank_hb_interval = max(heartbeat_interval, ranks / 4096)
+        self.rank_hb_interval = max(heartbeat_interval, ranks / 1024)
         self.rank_hb_timeout = max(heartbeat_timeout, 10 * self.rank_hb_interval)
         self.run_dir = work / f"{backend}-{ranks}"
         self.etcd_endpoint = etcd_endpoint
@@ -325,7 +327,7 @@ class Row:
         # cost beside the steady window's rates (the end of a generation: one wait per machine)
         tot = self.ops(reps)
         o["ops_total_by_purpose"] = {p: sum(v for k, v in tot.items() if k.startswith(p + "."))
-                                     for p in ("step", "join", "heartbeat", "watch", "agent", "controller")}
+                                     for p in PURPOSES}
         o["watch_waits_total"] = tot.get("watch.wait", 0)
 
     def _hosts(self, name: str, node: int) -> bool:
@@ -370,8 +372,8 @@ class Row:
         d = {k: ops1.get(k, 0) - ops0.get(k, 0) for k in ops1}
         steps0, steps1 = self.committed_steps(reps0), self.committed_steps(reps1)
         new = sorted(set(steps1) - set(steps0))
-        step_ops = sum(v for k, v in d.items() if k.startswith("step."))
-        bg = sum(v for k, v in d.items() if not k.startswith("step."))
+        step_ops = sum(v for k, v in d.items() if k.split(".", 1)[0] in STEP_PURPOSES)
+        bg = sum(v for k, v in d.items() if k.split(".", 1)[0] not in STEP_PURPOSES)
         o["window_s"] = round(t1 - t0, 3)
         o["steps_in_window"] = len(new)
         o["store_ops_per_step"] = round(step_ops / len(new), 2) if new else None
@@ -379,7 +381,7 @@ class Row:
         o["per_machine"] = {"store_ops_per_step": None if not new else round(step_ops / len(new) / self.machines, 3),
                             "store_ops_per_s": round(bg / (t1 - t0) / self.machines, 3)}
         o["ops_by_purpose_per_s"] = {p: round(sum(v for k, v in d.items() if k.startswith(p + ".")) / (t1 - t0), 1)
-                                     for p in ("step", "join", "heartbeat", "watch", "agent", "controller")}
+                                     for p in PURPOSES}
         lat = [(v[1] - v[0]) * 1e3 for s, v in steps1.items()]
         o["vote_p50_ms"], o["vote_p99_ms"] = (round(x, 2) if x is not None else None
                                               for x in (_pct(lat, 0.5), _pct(lat, 0.99)))
@@ -429,7 +431,9 @@ GROWTH = (("store_ops_per_step", True), ("store_ops_per_s", True), ("vote_p99_ms
           ("control_path_s", False), ("controller_loop_ms", False), ("controller_cpu_s_per_s", False))
 
 
-def run(ranks=DEFAULT_RANKS, backends=("tcpstore",), work: Path = Path("runs/bench-scale"), **kw) -> Dict[str, Any]:
+def run(ranks=DEFAULT_RANKS, backends=("tcpstore",), work: Path = Path("runs/bench-scale"), real8: bool = False,
+        **kw) -> Dict[str, Any]:
+    """The rows, each backend's growth exponents and (``real8``) :func:`real_world8`."""
     rows: List[Dict[str, Any]] = []
     etcd = None
     for backend in backends:
@@ -454,4 +458,90 @@ def run(ranks=DEFAULT_RANKS, backends=("tcpstore",), work: Path = Path("runs/ben
     for b in sorted({r["backend"] for r in rows}):
         mine = [r for r in rows if r["backend"] == b]
         out["growth"][b] = {k + ("_per_machine" if pm else ""): growth(mine, k, pm) for k, pm in GROWTH}
+    if real8:
+        try:
+            out["real_world8"] = real_world8(Path(work))
+        except RowFailed as exc:
+            out["real_world8"] = {"error": str(exc)}
+        print(json.dumps(out["real_world8"]), file=sys.stderr, flush=True)
     return out
+
+
+def _by_label(ops: Dict[str, int], scale: float) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    for k, v in ops.items():
+        lab = k.split(".", 1)[0]
+        out[lab] = out.get(lab, 0.0) + v
+    return {k: round(v * scale, 3) for k, v in sorted(out.items())}
+
+
+def real_world8(work: Path = Path("runs/bench-scale"), steps: int = 90, window_steps: int = 40) -> Dict[str, Any]:
+    """The store operations of a real world-8 job beside a simulated one of the same shape.
+
+    Real: ``examples/train_gpt.py`` (tp2 pp2 dp2) on 4 machines of 2 processes plus 2 standby
+    machines and 1 standby process, one ``pitstop launch`` per machine on its own loopback
+    address; every ``TCPStore`` client of every process counted from outside pitstop's code
+    (:mod:`pitstop.bench.opcount`), over ``window_steps`` steps once every standby is warm.
+    Simulated: :class:`Row` with the same machines, standbys and the real job's step time,
+    its steady window counted by the same labels (its ``step`` and ``join`` clients are a
+    worker's training thread, ``main``). Both per step and per second, by label."""
+    from pitstop.bench import opcount
+    from pitstop.launch.runs import start_machines, wait_for_event
+
+    run_dir = Path(work) / "real-world8"
+    counts = run_dir / "opcount"
+    counts.mkdir(parents=True, exist_ok=True)
+    env = {opcount.ENV_DIR: str(counts),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(opcount.SITE_DIR), os.environ.get("PYTHONPATH", "")) if p)}
+    machines, spares, nproc, standby = 4, 2, 2, 1
+    m = start_machines(run_dir, steps, f"{machines}:{machines + spares}", nproc,
+                       launch_args=["--standby", str(standby)], env=env)
+    loss = run_dir / "loss.jsonl"
+
+    def logged() -> int:
+        try:
+            return len({json.loads(l)["step"] for l in loss.read_text().splitlines() if l.strip()})
+        except (OSError, ValueError):
+            return 0
+
+    try:
+        wait_for_event(run_dir, "warmed", n=spares * nproc + standby, timeout=900)
+        _wait("step 3", lambda: logged() >= 3, 600, 0.05)
+        s0 = logged()
+        _wait(f"step {s0 + 1}", lambda: logged() > s0, 120, 0.02)
+        s0, t0 = logged(), time.time()
+        _wait(f"step {s0 + window_steps}", lambda: logged() >= s0 + window_steps, 600, 0.02)
+        s1, t1 = logged(), time.time()
+        time.sleep(0.6)  # the snapshots at t1 are written
+    finally:
+        for p in [m.head, *m.agents.values()]:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=60)
+    files = sorted(counts.glob("*.json"))
+    got = opcount.window(files, t0, t1)
+    dt, n = t1 - t0, s1 - s0
+    ops: Dict[str, int] = {}
+    for d in got.values():
+        for k, v in d.items():
+            ops[k] = ops.get(k, 0) + v
+    real = {"ranks": 8, "machines": machines, "spare_machines": spares, "standby": standby, "window_s": round(dt, 3),
+            "steps_in_window": n, "step_s": round(dt / n, 4), "processes_counted": opcount.kinds(files, t0, t1),
+            "ops_by_label_op": dict(sorted(ops.items())),
+            "per_step": _by_label(ops, 1 / n), "per_s": _by_label(ops, 1 / dt)}
+    row = Row("tcpstore", 8, Path(work) / "sim-world8", nproc=nproc, step_s=real["step_s"]).run()
+    sim: Dict[str, Any] = {"ranks": 8, "machines": row["machines"], "spare_machines": row["spare_machines"],
+                           "standby": 1, "window_s": row.get("window_s"), "steps_in_window": row.get("steps_in_window"),
+                           "step_s": row.get("step_s"), "error": row.get("error")}
+    per = row.get("ops_by_purpose_per_s")
+    if per and row.get("steps_in_window"):
+        # a real machine's agent sends its vote's add and wait itself: the simulated "vote" clients
+        lab = {"main": per["step"] + per["join"], "heartbeat": per["heartbeat"], "watch": per["watch"],
+               "agent": per["agent"] + per["vote"], "controller": per["controller"]}
+        sim["per_s"] = {k: round(v, 3) for k, v in lab.items() if v}
+        sim["per_step"] = {k: round(v * row["window_s"] / row["steps_in_window"], 3) for k, v in lab.items() if v}
+    ratio = {k: (round(sim["per_step"].get(k, 0) / v, 3) if v else None)
+             for k, v in real["per_step"].items()} if "per_step" in sim else None
+    return {"real": real, "simulated": sim, "sim_over_real_per_step": ratio}

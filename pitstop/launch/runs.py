@@ -167,9 +167,10 @@ def machine_addr(node: int) -> str:
 
 
 def start_machines(run_dir: Path, steps: int, nnodes: str = "4:5", nproc: int = 2, launch_args: Optional[List[str]] = None,
-                   gpt: Optional[List[str]] = None, faults: str = "") -> Machines:
+                   gpt: Optional[List[str]] = None, faults: str = "", env: Optional[Dict[str, str]] = None) -> Machines:
     """Start the head (node 0, the controller) and one agent per other machine, all as real
-    ``pitstop launch`` processes, each in a process group of its own."""
+    ``pitstop launch`` processes, each in a process group of its own. ``env`` adds to the
+    job's environment."""
     import secrets
     import socket
 
@@ -181,7 +182,7 @@ def start_machines(run_dir: Path, steps: int, nnodes: str = "4:5", nproc: int = 
     s.bind((machine_addr(0), 0))
     port = s.getsockname()[1]
     s.close()
-    env = dict(os.environ, PITSTOP_FAULT=faults, PITSTOP_JOB_TOKEN=secrets.token_hex(32))
+    env = dict(os.environ, **(env or {}), PITSTOP_FAULT=faults, PITSTOP_JOB_TOKEN=secrets.token_hex(32))
     base = PITSTOP + ["launch", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
                       "--rdzv-endpoint", f"{machine_addr(0)}:{port}"] + (launch_args or [])
     tail = ["--"] + (gpt or GPT) + ["--steps", str(steps), "--loss-file", str(run_dir / "loss.jsonl")] \
