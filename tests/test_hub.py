@@ -288,3 +288,65 @@ def test_the_end_of_a_generation_reaches_each_role_through_one_wait_per_machine(
         link.close()
     for hub in hubs:
         hub.close()
+
+
+def test_one_reader_thread_serves_many_links_as_their_own_threads_would(server):
+    """The scale harness's ranks share one reader thread (LineReader): every verdict and every
+    "ended" line reaches the link it was sent to, no link starts a thread of its own, a link
+    closed by its rank is unregistered and its socket closed by the reader, and a line past
+    MAX_LINE closes only its own link."""
+    from pitstop.runtime.local import MAX_LINE, LineReader
+
+    counts: dict = {}
+    hubs = _hubs(server, 2, counts)
+    reader = LineReader()
+    before = threading.active_count()
+    heard: dict = {}
+    lock = threading.Lock()
+    ranks = []
+    for k, hub in enumerate(hubs):
+        for i in range(4):
+            rank = k * 4 + i
+            link = LocalLink(hub.name, 100 + rank, rank, 0, TOKEN, reader=reader)
+            link.on_ended(lambda g, rank=rank: (lock.acquire(), heard.setdefault(rank, []).append(g), lock.release()))
+            st = _client(server)
+            ranks.append((rank, link, LocalVote(Channel(st, TOKEN), st, 8, Fence(), 20.0, link)))
+    try:
+        assert threading.active_count() == before  # no reader thread per link
+        for step in (1, 2):
+            got = _vote_all(ranks, 0, step)
+            assert got == {r: Verdict.OK for r in range(8)}, got
+        Channel(_client(server), TOKEN).put(keys.ended(0), {"time": time.time()})
+        deadline = time.monotonic() + 10
+        while len(heard) < 8 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert heard == {r: [0] for r in range(8)}, heard
+        # a rank's close: the reader sees the end, unregisters the socket and closes it
+        victim = ranks[0][1]
+        victim.close()
+        deadline = time.monotonic() + 5
+        while victim.sock.fileno() >= 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert victim.closed and victim.sock.fileno() < 0
+        # a line that outgrows MAX_LINE from the agent's side closes that link only
+        other = ranks[1][1]
+        hub_end = next(c.sock for c in hubs[0].conns.values() if c.slot == 101)
+        hub_end.sendall(b"x" * (MAX_LINE + 10))
+        deadline = time.monotonic() + 5
+        while not other.closed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert other.closed
+        assert not any(link.closed for _, link, _ in ranks[2:])
+        # the others still hear their agent (ranks 0 and 1 are gone: their machine's end-of-generation
+        # line goes to its 2 others)
+        Channel(_client(server), TOKEN).put(keys.ended(1), {"time": time.time()})
+        deadline = time.monotonic() + 10
+        while any(len(heard.get(r, [])) < 2 for r in range(2, 8)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert {r: heard[r] for r in range(2, 8)} == {r: [0, 1] for r in range(2, 8)}, heard
+        assert heard[0] == [0] and heard[1] == [0], heard
+    finally:
+        for r in ranks:
+            r[1].close()
+        for h in hubs:
+            h.close()

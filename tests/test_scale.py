@@ -62,19 +62,19 @@ def test_growth_fits_the_exponent():
 
 
 def test_a_row_past_this_hosts_limits_is_refused_by_name_before_it_starts(tmp_path):
-    """Each simulated rank is 3 threads and each machine 8 (every thread takes a pid), and the
-    controller's process holds 2 store connections per rank and 5 per machine: 8,192 ranks
-    pass 90% of a pid_max of 32,768 and a descriptor limit of 20,000 (this machine's), 1,024
+    """Each simulated rank is 2 threads and each machine 8 (every thread takes a pid), and the
+    controller's process holds 1 store connection per rank and 5 per machine: 16,384 ranks
+    pass 90% of a pid_max of 32,768 and a descriptor limit of 20,000 (this machine's), 8,192
     pass neither."""
-    big, small = scale.Row("tcpstore", 8192, tmp_path), scale.Row("tcpstore", 1024, tmp_path)
-    assert big.threads_needed() == 8192 * 3 + 1026 * 8 and big.fds_needed() == 8192 * 2 + 1026 * 5 + 200
+    big, fits = scale.Row("tcpstore", 16384, tmp_path), scale.Row("tcpstore", 8192, tmp_path)
+    assert big.threads_needed() == 16384 * 2 + 2050 * 8 and big.fds_needed() == 16384 + 2050 * 5 + 200
     why = big.refusal(32768, None)
-    assert "ranks(8192)" in why and "kernel.pid_max(32768)" in why and str(big.threads_needed()) in why
+    assert "ranks(16384)" in why and "kernel.pid_max(32768)" in why and str(big.threads_needed()) in why
     why = big.refusal(4194304, 20000)
     assert "RLIMIT_NOFILE(20000)" in why and str(big.fds_needed()) in why
     assert big.refusal(4194304, 1 << 20) is None
-    assert small.refusal(32768, 20000) is None
-    assert not (tmp_path / "tcpstore-8192").exists()
+    assert fits.refusal(32768, 20000) is None
+    assert not (tmp_path / "tcpstore-16384").exists()
 
 
 @pytest.mark.timeout(600)

@@ -153,18 +153,20 @@ class Row:
     def _common(self) -> List[str]:
         return ["--heartbeat-interval", str(self.hb_interval), "--heartbeat-timeout", str(self.hb_timeout)]
 
-    #: Threads per simulated rank (its training thread, heartbeat and the reader of its agent's
-    #: line) and per machine (the agent's loop, its hub's loop and end-of-generation wait, the
-    #: vote's add and waits), as counted in a host process.
-    THREADS_PER_RANK, THREADS_PER_MACHINE = 3, 8
+    #: Threads per simulated rank (its training thread and heartbeat; one thread of the host
+    #: process reads every rank's line to its agent) and per machine (the agent's loop, its
+    #: hub's loop and end-of-generation wait, the vote's add and waits), as counted in a host
+    #: process.
+    THREADS_PER_RANK, THREADS_PER_MACHINE = 2, 8
 
     def threads_needed(self) -> int:
         return self.ranks * self.THREADS_PER_RANK + (self.machines + self.spares) * self.THREADS_PER_MACHINE
 
-    #: The store server's connections per rank (its own and the spare a drain's threads take)
-    #: and per machine (its agent's, the vote's add and wait, the end-of-generation wait, the
-    #: link), as measured: 5,433 descriptors at 2,048 ranks on 258 machines.
-    FDS_PER_RANK, FDS_PER_MACHINE = 2, 5
+    #: The store server's connections per rank (its own: with its agent's line a rank keeps no
+    #: spare, ``worker.spare_connections``) and per machine (its agent's, the vote's add and
+    #: wait, the end-of-generation wait, the link), as measured: 5,433 descriptors at 2,048
+    #: ranks on 258 machines when each rank kept a spare.
+    FDS_PER_RANK, FDS_PER_MACHINE = 1, 5
 
     def fds_needed(self) -> int:
         return self.ranks * self.FDS_PER_RANK + (self.machines + self.spares) * self.FDS_PER_MACHINE + 200

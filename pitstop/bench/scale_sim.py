@@ -47,7 +47,7 @@ from pitstop.pg.fence import Fence
 from pitstop.protocol import Channel, Verdict
 from pitstop.runtime import keys, worker
 from pitstop.runtime.config import RuntimeConfig
-from pitstop.runtime.local import ENV_AGENT_SOCK, LocalLink, LocalVote
+from pitstop.runtime.local import ENV_AGENT_SOCK, LineReader, LocalLink, LocalVote
 from pitstop.runtime.vote import Vote
 from pitstop.store import ENV_STORE, connect, is_etcd
 
@@ -151,17 +151,19 @@ class Timeline:
 
 
 class _Pool:
-    """The spare connections a worker keeps for its threads (duck-typed ``ConnectionPool``)."""
+    """The spare connections a worker keeps for its threads (duck-typed ``ConnectionPool``:
+    ``take`` opens a new one when none is spare)."""
 
-    def __init__(self, conns: List[Any]) -> None:
+    def __init__(self, conns: List[Any], open_one: Callable[[], Any]) -> None:
         self.store = None
         self.conns = conns
+        self._open = open_one
 
     def __len__(self) -> int:
         return len(self.conns)
 
     def take(self):
-        return self.conns.pop() if self.conns else None
+        return self.conns.pop() if self.conns else self._open()
 
     def give(self, conn) -> None:
         self.conns.append(conn)
@@ -186,8 +188,11 @@ class SimRank:
     """One simulated worker or standby (see the module docstring), run as a thread."""
 
     def __init__(self, name: str, env: Dict[str, str], counts: OpCounts, timeline: Timeline,
-                 on_exit: Callable[["SimRank", str], None], step_s: float, steps: int, pid: int) -> None:
+                 on_exit: Callable[["SimRank", str], None], step_s: float, steps: int, pid: int,
+                 reader: Optional[LineReader] = None) -> None:
         self.name, self.env, self.counts, self.timeline = name, env, counts, timeline
+        self.reader = reader
+        """The process's one reader of its ranks' lines to their agents (a worker has its own)."""
         self.on_exit = on_exit
         self.step_s, self.steps = step_s, steps
         self.pid = pid
@@ -275,19 +280,20 @@ class SimRank:
         self._check()
         if env.get(ENV_AGENT_SOCK):  # as worker.join: the line to the machine's agent first
             self.local = LocalLink(env[ENV_AGENT_SOCK], int(env[worker.ENV_SLOT]),
-                                   None if standby else int(env["RANK"]), self.gen, token)
+                                   None if standby else int(env["RANK"]), self.gen, token, reader=self.reader)
         local = self.local
         slot = worker._authenticate(ch, standby, None if standby else int(env["RANK"]),
                                     slot=int(env[worker.ENV_SLOT]), host=env.get("PITSTOP_NODE_HOST"), pid=self.pid,
                                     said=None if local is None else (lambda: local.send("said")))
         self._check()
         # as worker.join: with the agent's line (and a TCPStore) the heartbeat shares the process's
-        # connection and the pool keeps one spare; without it, a connection of its own and four spares
+        # connection and the pool keeps no spare; without it, a connection of its own and four spares
         shared = self.local is not None and not is_etcd(spec)
         hb_conn = CountingStore(store._inner, self.counts, "heartbeat") if shared else \
             open_store(spec, self.counts, "heartbeat")
         self.hb = worker.Heartbeat(slot, cfg.heartbeat_interval_s, ch, hb_conn, self.local).start()
-        pool = _Pool([open_store(spec, self.counts, "watch") for _ in range(1 if shared else worker.THREAD_CONNECTIONS)])
+        pool = _Pool([open_store(spec, self.counts, "watch") for _ in range(worker.spare_connections(shared))],
+                     lambda: open_store(spec, self.counts, "watch"))
         step = 1
         if standby:
             a = worker._wait_assignment(ch, slot, world, pool)
@@ -366,8 +372,9 @@ class SimAgent:
     """A machine's process starter whose processes are :class:`SimRank` threads."""
 
     def __init__(self, node: int, counts: OpCounts, timeline: Timeline, step_s: float, steps: int,
-                 rank_heartbeat_interval: Optional[float] = None) -> None:
+                 rank_heartbeat_interval: Optional[float] = None, reader: Optional[LineReader] = None) -> None:
         self.node = node
+        self.reader = reader
         self.rank_heartbeat_interval = rank_heartbeat_interval
         self.counts, self.timeline = counts, timeline
         self.step_s, self.steps = step_s, steps
@@ -393,7 +400,8 @@ class SimAgent:
             except BlockingIOError:  # the pipe is full: it is readable anyway
                 pass
 
-        p.rank = SimRank(name, env, self.counts, self.timeline, exited, self.step_s, self.steps, p.pid).start()
+        p.rank = SimRank(name, env, self.counts, self.timeline, exited, self.step_s, self.steps, p.pid,
+                         self.reader).start()
         return p
 
     def poll(self) -> List[SimProc]:
@@ -551,8 +559,9 @@ def host_main(args) -> int:
     nodes = [int(k) for k in args.nodes.split(",")]
     agents: Dict[int, NodeAgent] = {}
     sims: Dict[int, SimAgent] = {}
+    reader = LineReader()  # one thread reads every simulated rank's line to its agent
     for k in nodes:
-        sims[k] = SimAgent(k, counts, timeline, args.step_s, args.steps, args.rank_heartbeat_interval)
+        sims[k] = SimAgent(k, counts, timeline, args.step_s, args.steps, args.rank_heartbeat_interval, reader)
         addr = args.addr or f"127.0.{(k + 2) // 250}.{(k + 2) % 250 + 1}"
         na = NodeAgent(k, addr, args.nproc, [], Path(args.run_dir), args.store, token,
                        args.heartbeat_interval, agent=sims[k],

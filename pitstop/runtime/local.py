@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
+import selectors
 import socket
 import threading
 import time
@@ -64,7 +66,7 @@ class LocalLink:
     training thread and the pipeline's vote thread share it); a reader thread files verdicts."""
 
     def __init__(self, name: str, slot: int, role: Optional[int], generation: int, token,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, reader: Optional["LineReader"] = None) -> None:
         tok = token.encode() if isinstance(token, str) else bytes(token)
         self.slot = slot
         self.closed = False
@@ -94,6 +96,10 @@ class LocalLink:
             raise PitstopError(f"no line to this machine's agent at {name!r} ({exc})") from None
         s.settimeout(None)
         self.sock = s
+        self._shared = reader
+        if reader is not None:
+            reader.add(self)
+            return
         self._reader = threading.Thread(target=self._read, name=f"pitstop-local-{slot}", daemon=True)
         self._reader.start()
 
@@ -124,29 +130,44 @@ class LocalLink:
             self._cond.notify_all()
 
     def _read(self) -> None:
+        """The reader thread of a link that has one: what arrives goes to :meth:`feed`."""
         try:
-            while True:
-                line = self._line(self.sock)
-                words = line.split()
-                if len(words) == 4 and words[0] == b"verdict" and words[1].isdigit() and words[2].isdigit():
-                    try:
-                        raw = base64.b64decode(words[3], validate=True)
-                    except ValueError:
-                        log.warning("[slot %d] refused a verdict line from the agent: not base64", self.slot)
-                        continue
-                    with self._cond:
-                        self._verdicts[(int(words[1]), int(words[2]))] = raw
-                        if len(self._verdicts) > 256:  # old steps: nobody waits for them any more
-                            for k in sorted(self._verdicts)[:128]:
-                                del self._verdicts[k]
-                        self._cond.notify_all()
-                elif len(words) == 2 and words[0] == b"ended" and words[1].isdigit():
-                    self.ended = max(self.ended, int(words[1]))
-                    self._wake_looker()
-                else:
-                    log.warning("[slot %d] refused a line from the agent: %r", self.slot, line[:60])
-        except (OSError, PitstopError):
-            self._close()
+            ok = self.feed(b"")  # lines that came with the handshake's
+            while ok:
+                data = self.sock.recv(4096)
+                ok = bool(data) and self.feed(data)
+        except OSError:
+            pass
+        self._close()
+
+    def feed(self, data: bytes) -> bool:
+        """Take bytes read from the agent: file each whole line. False when a line outgrows
+        :data:`MAX_LINE` (the agent is not speaking this protocol: the caller closes the link)."""
+        self._buf += data
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            self._handle(line)
+        return len(self._buf) <= MAX_LINE
+
+    def _handle(self, line: bytes) -> None:
+        words = line.split()
+        if len(words) == 4 and words[0] == b"verdict" and words[1].isdigit() and words[2].isdigit():
+            try:
+                raw = base64.b64decode(words[3], validate=True)
+            except ValueError:
+                log.warning("[slot %d] refused a verdict line from the agent: not base64", self.slot)
+                return
+            with self._cond:
+                self._verdicts[(int(words[1]), int(words[2]))] = raw
+                if len(self._verdicts) > 256:  # old steps: nobody waits for them any more
+                    for k in sorted(self._verdicts)[:128]:
+                        del self._verdicts[k]
+                self._cond.notify_all()
+        elif len(words) == 2 and words[0] == b"ended" and words[1].isdigit():
+            self.ended = max(self.ended, int(words[1]))
+            self._wake_looker()
+        else:
+            log.warning("[slot %d] refused a line from the agent: %r", self.slot, line[:60])
 
     def on_ended(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(g)`` on a thread of its own each time the agent says a generation
@@ -201,10 +222,82 @@ class LocalLink:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if self._shared is not None:  # the shared reader sees the end, unregisters, then closes it
+            return
         try:
             self.sock.close()
         except OSError:
             pass
+
+
+class LineReader:
+    """One thread that reads the lines of many :class:`LocalLink` objects.
+
+    A worker process has one link and reads it on a thread of its own. The scale harness
+    (:mod:`pitstop.bench.scale_sim`) runs hundreds of simulated ranks in a process: a reader
+    thread each was 8,192 threads at 8,192 ranks, and every thread takes a pid (this host's
+    ``kernel.pid_max`` is 32,768). Each link's bytes still go through its own
+    :meth:`LocalLink.feed`, the code a worker's reader runs::
+
+        LineReader thread: epoll over every link's socket
+            readable -> recv -> link.feed(data) -> its verdicts, its "ended" looks
+            end      -> unregister, close the socket, the link is closed
+    """
+
+    def __init__(self) -> None:
+        self.sel = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._new: List[LocalLink] = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._run, name="pitstop-local-reader", daemon=True)
+        self._thread.start()
+
+    def add(self, link: LocalLink) -> None:
+        """Read ``link`` from now on (registered by the reader's own thread: a selector is not
+        shared across threads)."""
+        with self._lock:
+            self._new.append(link)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # the pipe is full: the reader wakes anyway
+            pass
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self.sel.select():
+                link = key.data
+                if link is None:
+                    self._register()
+                    continue
+                try:  # the socket stays blocking for the link's senders
+                    data = link.sock.recv(65536, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data or not link.feed(data):
+                    self.sel.unregister(link.sock)
+                    link._close()
+                    try:
+                        link.sock.close()
+                    except OSError:
+                        pass
+
+    def _register(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        with self._lock:
+            new, self._new = self._new, []
+        for link in new:
+            self.sel.register(link.sock, selectors.EVENT_READ, link)
+            if not link.feed(b""):  # lines that came with the handshake's
+                self.sel.unregister(link.sock)
+                link._close()
 
 
 class LocalVote(Vote):

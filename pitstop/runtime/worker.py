@@ -467,6 +467,19 @@ def _freeze_heap() -> None:
 THREAD_CONNECTIONS = 4
 
 
+def spare_connections(shared: bool) -> int:
+    """How many spare connections a controlled process opens when it joins.
+
+    With a line to its machine's agent and a ``TCPStore`` (``shared``) none: its heartbeat
+    shares the process's connection, the agent waits on the end of each generation for it,
+    and its vote goes through the agent. What is left to a spare is a drain's threads, which
+    open their own when none is spare (a drain's channel thread and hand-off pair already
+    opened 2 of their 3). A rank then holds 1 store connection: at 8,192 ranks on 1,026
+    machines the store's server holds about 13,500 descriptors, not 21,700, under the 20,000
+    a process may open here. Without the agent's line: :data:`THREAD_CONNECTIONS`."""
+    return 0 if shared else THREAD_CONNECTIONS
+
+
 def _open_spare_connections(store, slot: int):
     """A standby opens the store connection its communicators' rendezvous share while it
     waits, not once it has a role: each new connection costs the store's server a reverse
@@ -542,15 +555,14 @@ def join(config: Optional[RuntimeConfig] = None, warmup: Optional[Callable[[], d
     shared = local is not None and not store_mod.is_etcd(os.environ[ENV_STORE])
     # With a line to the agent, the heartbeat beats there and looks at the store every 30 s: it
     # shares this process's connection (a TCPStore client runs one operation at a time, under
-    # its own lock), and the pool keeps one spare, for the end-of-generation watch. A rank then
-    # holds 2 store connections, not 6: at 8,192 ranks the store's server holds 16,384, under
-    # the 20,000 descriptors a process may open here.
+    # its own lock), and the pool keeps no spare (spare_connections says why). A rank then
+    # holds 1 store connection, not 6.
     hb_conn = store if shared else store_mod.connect(os.environ[ENV_STORE], timeout=timedelta(seconds=30), mirrored=True)
     slot = _authenticate(ch, standby, None if standby else int(os.environ["RANK"]),
                          said=None if local is None else (lambda: local.send("said")))
     hb = Heartbeat(slot, cfg.heartbeat_interval_s, ch, hb_conn, local).start()
     raw = ConnectionPool(store)
-    raw.reserve(1 if shared else THREAD_CONNECTIONS)
+    raw.reserve(spare_connections(shared))
     epoch = int(os.environ.get(ENV_EPOCH, 0))
     if standby:
         if warmup is not None and cfg.warmup:
