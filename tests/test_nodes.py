@@ -356,3 +356,85 @@ def test_silence_the_controller_did_not_see_is_not_counted_but_real_silence_stil
     assert abs(lk.blind_s - 1.1) < 1e-9
     with pytest.raises(ValueError, match=r"allowance_s\(0\)"):
         Lookout(0)
+
+
+def test_an_agent_whose_first_link_attempt_fails_tries_again_and_links(tmp_path):
+    """The controller's link listener behind a real TCP relay whose first connection is cut at
+    once (as 20 of 1,026 agents saw at 8,192 ranks: their first connect timed out while every
+    machine connected together). The agent tries the same address again, backing off, and
+    links: it does not stay on the store's fallback for the rest of the job."""
+    import socket
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pitstop.launch import link
+    from pitstop.launch.node_agent import NodeAgent
+    from pitstop.protocol import Channel
+    from pitstop.runtime import keys
+
+    token = "k" * 64
+    srv = link.LinkServer("127.0.0.1", token)
+    relay = socket.create_server(("127.0.0.1", 0))
+    cut = []
+    stop = threading.Event()
+
+    def pump(a, b):
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def relay_loop():
+        while not stop.is_set():
+            try:
+                c, _ = relay.accept()
+            except OSError:
+                return
+            if not cut:  # the first connection: cut before the handshake
+                cut.append(time.monotonic())
+                c.close()
+                continue
+            up = socket.create_connection(("127.0.0.1", srv.port))
+            threading.Thread(target=pump, args=(c, up), daemon=True).start()
+            threading.Thread(target=pump, args=(up, c), daemon=True).start()
+
+    threading.Thread(target=relay_loop, daemon=True).start()
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    ch = Channel(master, token)
+    ch.put(keys.NODE_LINK, {"host": "127.0.0.1", "port": relay.getsockname()[1]})
+    agent = NodeAgent(3, "127.0.0.1", 1, ["true"], tmp_path, f"127.0.0.1:{master.port}", token,
+                      heartbeat_interval_s=0.05)
+    rc = []
+    th = threading.Thread(target=lambda: rc.append(agent.run()), daemon=True)
+    th.start()
+    try:
+        t0 = time.monotonic()
+        while 3 not in srv.links:
+            srv.poll()
+            assert time.monotonic() - t0 < 20, f"the agent never linked (first connection cut: {bool(cut)})"
+            time.sleep(0.01)
+        assert cut and agent._link_fails == 1 and agent.linked
+    finally:
+        ch.put(keys.DONE, {"set": True})
+        srv.send(3, b"done")  # a linked agent looks at ctl/done when its link says so
+        t0 = time.monotonic()
+        while th.is_alive() and time.monotonic() - t0 < 10:
+            srv.poll()
+            time.sleep(0.01)
+        stop.set()
+        relay.close()
+        srv.close()
+    assert rc == [0]

@@ -372,9 +372,11 @@ class SimAgent:
     """A machine's process starter whose processes are :class:`SimRank` threads."""
 
     def __init__(self, node: int, counts: OpCounts, timeline: Timeline, step_s: float, steps: int,
-                 rank_heartbeat_interval: Optional[float] = None, reader: Optional[LineReader] = None) -> None:
+                 rank_heartbeat_interval: Optional[float] = None, reader: Optional[LineReader] = None,
+                 rank_heartbeat_timeout: Optional[float] = None) -> None:
         self.node = node
         self.reader = reader
+        self.rank_heartbeat_timeout = rank_heartbeat_timeout
         self.rank_heartbeat_interval = rank_heartbeat_interval
         self.counts, self.timeline = counts, timeline
         self.step_s, self.steps = step_s, steps
@@ -389,6 +391,8 @@ class SimAgent:
         # a pid of its own (the roster tells processes apart by host and pid): the slot, past any real pid
         if self.rank_heartbeat_interval is not None:  # its beat to this machine's agent (scale.Row)
             env = {**env, "PITSTOP_HEARTBEAT_INTERVAL_S": str(self.rank_heartbeat_interval)}
+        if self.rank_heartbeat_timeout is not None:  # a rank's own settings check the two are ordered
+            env = {**env, "PITSTOP_HEARTBEAT_TIMEOUT_S": str(self.rank_heartbeat_timeout)}
         p = SimProc(name, SIM_PID_BASE + int(env[worker.ENV_SLOT]), env)
         self.procs[name] = p
 
@@ -561,7 +565,8 @@ def host_main(args) -> int:
     sims: Dict[int, SimAgent] = {}
     reader = LineReader()  # one thread reads every simulated rank's line to its agent
     for k in nodes:
-        sims[k] = SimAgent(k, counts, timeline, args.step_s, args.steps, args.rank_heartbeat_interval, reader)
+        sims[k] = SimAgent(k, counts, timeline, args.step_s, args.steps, args.rank_heartbeat_interval, reader,
+                           args.rank_heartbeat_timeout)
         addr = args.addr or f"127.0.{(k + 2) // 250}.{(k + 2) % 250 + 1}"
         na = NodeAgent(k, addr, args.nproc, [], Path(args.run_dir), args.store, token,
                        args.heartbeat_interval, agent=sims[k],

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import re
 import signal
 import socket
@@ -121,6 +122,8 @@ class NodeAgent:
         self.reported = False
         """A started or exit report was written since the controller was last told ("ev")."""
         self.link_to: Optional[tuple] = None
+        self._link_fails = 0
+        self._link_retry_at = 0.0
         """The controller address the link was opened to (a restarted controller publishes a new one)."""
 
     def _child_env(self, env: Dict[str, str]) -> Dict[str, str]:
@@ -165,12 +168,25 @@ class NodeAgent:
             if p is not None and p.running:
                 self.agent.kill(p, int(cmd.get("sig", signal.SIGKILL)))
 
+    #: The longest wait before another try at a link whose connection failed (doubling from
+    #: the heartbeat interval, with jitter).
+    LINK_RETRY_MAX_S = 8.0
+
     def _try_link(self) -> None:
         """Open the TCP link to the controller (:mod:`pitstop.launch.link`) once its address is
-        published; one attempt per address. Without it the heartbeat and the probe stand
-        alone. A restarted controller (etcd) publishes a new address: the link moves there."""
+        published. Without it the heartbeat and the probe stand alone. A restarted controller
+        (etcd) publishes a new address: the link moves there.
+
+        A link that opened and closed is not opened again (the controller counts that machine
+        lost). A connection that failed is tried again, backing off: at 8,192 ranks, 1,026
+        agents connecting at once timed out 20 of them, which then spoke through the store for
+        the rest of the job (each machine's reports read every 0.25 s: 1,900 store reads a
+        second at the controller, where 4,096 ranks cost it 35)."""
         from pitstop.launch import link
 
+        now = time.monotonic()
+        if now < self._link_retry_at:
+            return
         where = self.ch.read(keys.NODE_LINK, protocol.NODE_LINK)
         if where is None or (where["host"], where["port"]) == self.link_to:
             return
@@ -182,7 +198,12 @@ class NodeAgent:
             self.link = link.AgentLink(link.connect(where["host"], where["port"], self.node, self.token),
                                        lambda what, why: log.warning("[node %d] refused %s: %s", self.node, what, why))
         except (OSError, ValueError) as exc:
-            log.warning("[node %d] no link to the controller at %s:%s: %s", self.node, where["host"], where["port"], exc)
+            self._link_fails += 1
+            wait = min(self.LINK_RETRY_MAX_S, self.interval * 2 ** (self._link_fails - 1)) * random.uniform(0.5, 1.0)
+            self._link_retry_at = time.monotonic() + wait
+            self.link_to = None  # the same address is tried again
+            log.warning("[node %d] no link to the controller at %s:%s (try %d): %s; again in %.1fs", self.node,
+                        where["host"], where["port"], self._link_fails, exc, wait)
 
     @property
     def linked(self) -> bool:
