@@ -397,6 +397,11 @@ class Row:
                                        "p99": round(max(x["p99"] for x in loops), 3),
                                        "loops_per_s": round(sum(x["n"] for x in loops) / (t1 - t0), 1)}
         o["controller_rss_bytes"], o["controller_fds"] = c1.get("rss_bytes"), c1.get("fds")
+        # where the window's loops that ran past 0.1 s were, sampled every 20 ms (the controller's
+        # innermost pitstop frames)
+        s0, s1 = c0.get("slow_loop_samples") or {}, c1.get("slow_loop_samples") or {}
+        slow = sorted(((k, v - s0.get(k, 0)) for k, v in s1.items() if v > s0.get(k, 0)), key=lambda kv: -kv[1])
+        o["controller_slow_loop_samples"] = [[k, v] for k, v in slow[:5]]
         hosts = [r for n, r in reps1.items() if n.startswith("host-")]
         # the simulated machines' own CPU, all on this host: near the cores, the harness measures
         # itself (a real job spreads this over its machines)

@@ -494,6 +494,7 @@ class ScaleController(Controller):
         self.ch.store = self.store
         self.loop_ms: List[float] = []
         self._loop_start: Optional[float] = None
+        self._thread_id = threading.get_ident()  # constructed on the thread that runs the loop
         self._loops_lock = threading.Lock()
 
     def _start_head_agent(self):
@@ -506,6 +507,36 @@ class ScaleController(Controller):
                 self.loop_ms.append((now - self._loop_start) * 1e3)
         super()._idle(seconds)
         self._loop_start = time.perf_counter()
+
+    def sample_slow(self, every_s: float = 0.02, slow_s: float = 0.1) -> None:
+        """Where a long loop spends its time: every ``every_s``, while the loop has run for more
+        than ``slow_s``, the controller thread's innermost pitstop frames are counted (a sampling
+        profile of the slow loops only, which a p99 alone does not explain)."""
+        self.slow_stacks: collections.Counter = collections.Counter()
+        main = self._thread_id
+
+        def run() -> None:
+            while True:
+                time.sleep(every_s)
+                t = self._loop_start
+                if t is None or time.perf_counter() - t < slow_s:
+                    continue
+                frame = sys._current_frames().get(main)
+                names = []
+                while frame is not None and len(names) < 4:
+                    f = frame.f_code.co_filename
+                    if "/pitstop/" in f and "/bench/" not in f:
+                        names.append(f"{f.rsplit('/pitstop/', 1)[1]}:{frame.f_code.co_name}")
+                    frame = frame.f_back
+                with self._loops_lock:
+                    self.slow_stacks[" < ".join(names)] += 1
+
+        threading.Thread(target=run, name="slow-loop-sampler", daemon=True).start()
+
+    def slow(self) -> Dict[str, int]:
+        """The samples so far, by stack (the bench takes the difference over its window)."""
+        with self._loops_lock:
+            return dict(getattr(self, "slow_stacks", {}))
 
     def loops(self) -> Dict[str, Any]:
         """The work of each loop since the last call (ms, idle excluded): count, p50, p99, max."""
@@ -530,10 +561,12 @@ def controller_main(args) -> int:
     stop = threading.Event()
     loops: List[Dict[str, Any]] = []
 
+    c.sample_slow()
+
     def report() -> Dict[str, Any]:
         loops.append({"t": time.time(), **c.loops()})
         del loops[:-600]
-        return {"ops": counts.snapshot(), "loops": loops}
+        return {"ops": counts.snapshot(), "loops": loops, "slow_loop_samples": c.slow()}
 
     threading.Thread(target=_report_loop, args=(Path(args.run_dir) / "scale" / "controller.json", report, stop),
                      daemon=True).start()
