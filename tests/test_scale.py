@@ -33,6 +33,10 @@ def test_64_simulated_ranks_lose_a_rank_a_machine_and_a_frozen_machine(tmp_path)
     assert row["control_path_frozen_told"] >= 56
     for k in ("downtime_s", "downtime_killed_s", "downtime_frozen_s"):
         assert row[k] is not None and row[k] > 0, (k, row[k])
+    # each control path runs from the controller's detection to the later of every stayer told and
+    # the roster published (never less than the controller's own part)
+    for k in ("control_path_s", "control_path_killed_s", "control_path_frozen_s"):
+        assert row[k] >= row[k.replace("_s", "_roster_s")] > 0, (k, row[k], row[k.replace("_s", "_roster_s")])
     # the killed machine's link closed; the frozen one's fell silent (no socket closes)
     assert "connection to the controller closed" in row["cause_machine"], row["cause_machine"]
     assert "silent" in row["cause_frozen"], row["cause_frozen"]

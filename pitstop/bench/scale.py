@@ -358,9 +358,15 @@ class Row:
         stayers = self.ranks - len(f.get("roles") or [f.get("role")])
         t_told, n = self._wait(f"every stayer of g{gen} told", lambda: (lambda tn: tn if tn[1] >= stayers else None)(
             self.told(self.reports(), gen)), 60 * max(1.0, self.ranks / 256), 0.25)
-        # the controller's detection: the failure event's time less its own work since (plan, roster)
-        t_detect = f["time"] - (f.get("settled_s") or 0.0)
-        self.out[key] = round(t_told - t_detect, 4)
+        # from the controller's detection (when it first saw the loss) to the later of every stayer
+        # told (the end of the generation written) and the roster published (the failure event is
+        # written after it). Before the event held detected_at, the detection was taken as the
+        # event's time less the settle window, which left the controller's own work (the plan, the
+        # fault, the roster: chunks of 600 KB at 8,192 ranks) out of the path, and could come out
+        # negative.
+        t_detect = f["detected_at"]
+        self.out[key] = round(max(t_told, f["time"]) - t_detect, 4)
+        self.out[key.replace("_s", "_roster_s")] = round(f["time"] - t_detect, 4)
         self.out[key.replace("_s", "_told")] = n
         # the change is over once the new generation committed a step: only then is the next fault
         # a new failure (one during a change is an overlap, which restarts the job)

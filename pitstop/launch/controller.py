@@ -820,6 +820,7 @@ class Controller:
         seen = [lost[r][2] for r in roles]
         self.events.write("failure", role=roles[0], roles=roles, reason=reason, step=step, generation=g,
                           detect_s=None if fired is None else round(t_detect - fired, 4),
+                          detected_at=round(t_detect, 4),
                           settle_s=self.settle_s, settle_skew_s=round(max(seen) - min(seen), 4),
                           settled_s=round(self.settled_after, 4),
                           log=[self.agent.log_paths(lost[r][0])["stderr"] for r in roles] if len(roles) > 1
