@@ -194,7 +194,11 @@ class Row:
         why = self.refusal(pid_max, None if hard == resource.RLIM_INFINITY else hard)
         if why:
             raise RowFailed(why)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.run_dir.exists():  # an earlier run's events would be read as this one's
+            import shutil
+
+            shutil.rmtree(self.run_dir)
+        self.run_dir.mkdir(parents=True)
         argv = ["controller", "--run-dir", str(self.run_dir), "--nnodes", f"{self.machines}:{self.machines + self.spares}",
                 "--nproc", str(self.nproc), "--standby", "1", *self._common()]
         if self.backend == "etcd":
@@ -502,6 +506,10 @@ def real_world8(work: Path = Path("runs/bench-scale"), steps: int = 90, window_s
     from pitstop.launch.runs import start_machines, wait_for_event
 
     run_dir = Path(work) / "real-world8"
+    if run_dir.exists():  # an earlier run's losses and counts would be read as this one's
+        import shutil
+
+        shutil.rmtree(run_dir)
     counts = run_dir / "opcount"
     counts.mkdir(parents=True, exist_ok=True)
     env = {opcount.ENV_DIR: str(counts),
