@@ -44,9 +44,10 @@ $(LM_STAMP): pyproject.toml constraints-lm.txt
 venv-lm: $(LM_STAMP)
 
 # Two lanes: megatron-core 0.16 and DeepSpeed (.venv), then Megatron-LM's own loop on 0.19 (.venv-lm)
+# --durations: every run names its slowest tests (the suite's time on CI is a budget)
 test: $(STAMP) $(LM_STAMP) etcd
-	$(PY) -m pytest -q
-	$(LM_PY) -m pytest -q -c pytest-lm.ini
+	$(PY) -m pytest -q --durations=30
+	$(LM_PY) -m pytest -q -c pytest-lm.ini --durations=10
 
 demo: $(STAMP)
 	$(VENV)/bin/pitstop demo
