@@ -8,7 +8,7 @@ LM_VENV  := .venv-lm
 LM_PY    := $(LM_VENV)/bin/python
 LM_STAMP := $(LM_VENV)/.pitstop-installed
 
-.PHONY: test demo bench venv venv-lm clean etcd
+.PHONY: test check demo bench venv venv-lm clean etcd
 
 # Debian's etcd-server (3.4) for the etcd control-plane tests; the tests start it themselves
 ETCD := $(shell command -v etcd 2>/dev/null)
@@ -44,6 +44,10 @@ $(LM_STAMP): pyproject.toml constraints-lm.txt
 venv-lm: $(LM_STAMP)
 
 # Two lanes: megatron-core 0.16 and DeepSpeed (.venv), then Megatron-LM's own loop on 0.19 (.venv-lm)
+# The unit tier (tests/unit: pure functions and single-process tests): what to run while editing
+check: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
 # --durations: every run names its slowest tests (the suite's time on CI is a budget)
 test: $(STAMP) $(LM_STAMP) etcd
 	$(PY) -m pytest -q --durations=30

@@ -65,7 +65,7 @@ class PitstopSection:
     """The validated ``"pitstop"`` section of a DeepSpeed config (every key optional).
 
     Each field but ``emulation`` is a row of :data:`pitstop.settings.SETTINGS` (its default,
-    bound and meaning live there; ``tests/test_settings.py`` holds the two together)."""
+    bound and meaning live there; ``tests/unit/test_settings.py`` holds the two together)."""
 
     standby: int = _d("standby")
     heartbeat_interval: float = _d("heartbeat_interval")

@@ -27,7 +27,7 @@ class RuntimeConfig:
     """What a pitstop worker needs to know besides its role.
 
     The fields are the rows of :data:`pitstop.settings.SETTINGS` that the worker uses: their
-    defaults, bounds, order and meaning live there (``tests/test_settings.py`` holds the two
+    defaults, bounds, order and meaning live there (``tests/unit/test_settings.py`` holds the two
     together), and :meth:`__post_init__` checks with the same rows as every front door."""
 
     heartbeat_interval_s: float = _d("heartbeat_interval_s")

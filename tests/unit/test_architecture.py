@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Module (or package) -> layer; the longest matching prefix decides.
 LAYERS: Dict[str, int] = {

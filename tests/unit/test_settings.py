@@ -22,7 +22,7 @@ from pitstop.integrations.deepspeed_config import PitstopSection, keys_table, pa
 from pitstop.runtime.config import RuntimeConfig
 from pitstop.settings import BY_KEY, SETTINGS, Setting, flags_table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: A valid value that is not the default, per key (a new row without one fails here, by name).
 OTHER = {"standby": 3, "heartbeat_interval": 0.25, "heartbeat_timeout": 3.0, "collective_timeout": 60.0,
