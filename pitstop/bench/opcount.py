@@ -85,7 +85,7 @@ class Tally:
             return dict(self.ops)
 
 
-def _counted_class(base_store):
+def _counted_class():
     import torch.distributed as dist
 
     class Counted(dist.Store):
@@ -178,7 +178,7 @@ def install(out_dir: str, argv: Optional[Sequence[str]] = None, every_s: float =
     kind = process_kind(argv)
     tally = Tally()
     real = dist.TCPStore
-    Counted = _counted_class(real)
+    Counted = _counted_class()
 
     def tcp_store(*a, **kw):
         return Counted(real(*a, **kw), tally, kind)
